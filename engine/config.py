@@ -1,0 +1,193 @@
+"""Model and engine configuration.
+
+Owns: `ModelConfig` (the architecture, read from a Hugging Face ``config.json``) and `EngineConfig`
+(how one process runs it: device, dtype, KV block geometry, batch limits).
+
+Invariants: a `ModelConfig` is frozen and self-consistent (``num_heads % num_kv_heads == 0``,
+``head_dim * num_heads`` need not equal ``hidden_size`` but every size is positive); unknown
+architectures are refused by name, never guessed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.errors import ModelLoadError
+
+#: Hugging Face ``architectures`` entries we can run, mapped to our family name.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bf16"`` / ``"bfloat16"`` / ``torch.bfloat16`` → ``torch.bfloat16``; unknown names raise."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one Llama-family model."""
+
+    family: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+
+    @cached_property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @cached_property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V over all layers for one token."""
+        return 2 * self.num_layers * self.kv_size * torch.finfo(dtype).bits // 8
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "<dict>") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if family is None:
+            model_type = cfg.get("model_type")
+            if model_type in ("llama", "mistral", "qwen2"):
+                family = model_type
+            else:
+                raise ModelLoadError(
+                    f"{source}: unsupported architecture {archs or model_type!r}; "
+                    f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                )
+        try:
+            num_heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+            scaling = None
+            rs = cfg.get("rope_scaling")
+            if rs:
+                rope_type = rs.get("rope_type", rs.get("type"))
+                if rope_type == "llama3":
+                    scaling = RopeScaling(
+                        factor=float(rs["factor"]),
+                        low_freq_factor=float(rs["low_freq_factor"]),
+                        high_freq_factor=float(rs["high_freq_factor"]),
+                        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+                    )
+                elif rope_type not in (None, "default"):
+                    raise ModelLoadError(f"{source}: unsupported rope_scaling type {rope_type!r}")
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                family=family,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_dim=head_dim,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+                rope_scaling=scaling,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"{source}: config is missing required field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"{source}: invalid config: {e}") from None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise ModelLoadError(f"{cfg_path}: config.json not found")
+        try:
+            data = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_path}: not valid JSON: {e}") from None
+        return cls.from_hf_dict(data, source=str(cfg_path))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one process runs a model: device, dtype, paged-KV geometry and batch limits."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    enable_prefix_cache: bool = True
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @cached_property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

@@ -1,0 +1,19 @@
+"""Exceptions the engine raises; each message names the cause and, where there is one, the file."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class for every error the engine raises on purpose."""
+
+
+class ModelLoadError(EngineError):
+    """A model could not be loaded: unknown architecture, missing/corrupt file, config mismatch."""
+
+
+class ContextLengthError(EngineError, ValueError):
+    """A prompt (plus the tokens asked for) does not fit the model's context."""
+
+
+class NoFreeBlocksError(EngineError):
+    """The KV block pool has fewer free blocks than asked for."""
