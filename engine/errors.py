@@ -17,3 +17,14 @@ class ContextLengthError(EngineError, ValueError):
 
 class NoFreeBlocksError(EngineError):
     """The KV block pool has fewer free blocks than asked for."""
+
+
+class QueueFullError(EngineError):
+    """A worker's queue is at its bound; the caller should retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[type, tuple[str, float]]:  # survives pickling through Ray
+        return (QueueFullError, (str(self), self.retry_after_s))

@@ -1,0 +1,22 @@
+"""Configuration of one decode replica (built by `cluster.config.ClusterConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from prefill_worker.config import KVTransferConfig
+
+
+@dataclass(frozen=True)
+class DecodeWorkerConfig:
+    model: str = "smollm2-135m-instruct"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    kv: KVTransferConfig = field(default_factory=KVTransferConfig)
+    mode: str = "disaggregated"  # "disaggregated" | "colocated"
+    prefill_chunk_size: int = 0  # colocated: 0 = whole prompt at once, else chunk size in tokens
+    watermark_blocks: int = 1
+    max_swap_blocks: int = 4096
+    max_queue: int = 256  # waiting requests beyond this are refused (the router answers 429)
+    token_timeout_s: float = 60.0  # a stream with no token for this long ends with an error
+    model_cache_dir: str | None = None

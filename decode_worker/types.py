@@ -1,0 +1,53 @@
+"""What crosses the decode pool's boundary: a request with its KV handle in, a token stream out.
+
+Invariants: a stream is a sequence of `TokenEvent`s of which exactly the last has a
+``finish_reason``; ``finish_reason == "error"`` carries ``error`` text and the request's blocks are
+already freed when it is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling import SamplingParams
+from kv_transfer.handle import KVHandle
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """Continue a sequence whose prompt KV was built by a prefill replica (or build it here).
+
+    Disaggregated: ``first_token_id`` is token 0 from the prefill and ``handle`` says where its KV
+    is. Colocated: both are ``None`` and the worker prefills the prompt itself, then streams token 0
+    as its first event.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    first_token_id: int | None = None
+    handle: KVHandle | None = None
+    arrival_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class DecodeTimings:
+    """Seconds in each decode-side stage of one request (sent with the last event)."""
+
+    queue_s: float = 0.0  # waiting for blocks / a batch slot
+    transfer_s: float = 0.0  # KV pull
+    transfer_bytes: int = 0
+    prefill_s: float = 0.0  # colocated mode only
+    decode_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One or more new tokens of one request (usually one per decode step)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    timings: DecodeTimings | None = None  # on the last event

@@ -1,0 +1,29 @@
+"""Configuration of one prefill replica (built by `cluster.config.ClusterConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """How this replica's KV leaves (prefill) or arrives (decode)."""
+
+    transport: str = "gloo"  # "gloo" | "nccl" | "local"
+    host: str | None = None  # address the control channel binds to; None: this node's IP
+    port: int = 0  # 0: a free port
+    secret: str = ""  # cluster secret for the control channel HMAC
+    lease_s: float = 30.0  # outbox lease: blocks not pulled by then are freed
+    timeout_s: float = 30.0  # every wait on a peer
+
+
+@dataclass(frozen=True)
+class PrefillWorkerConfig:
+    model: str = "smollm2-135m-instruct"  # bundled name, a .gguf file or a Hugging Face folder
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    kv: KVTransferConfig = field(default_factory=KVTransferConfig)
+    max_batch_tokens: int = 2048  # token budget of one prefill forward
+    max_queue: int = 256  # waiting requests beyond this are refused (the router answers 429)
+    model_cache_dir: str | None = None
