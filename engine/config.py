@@ -120,7 +120,9 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             head_dim = int(cfg.get("head_dim") or hidden // num_heads)
             scaling = None
-            rs = cfg.get("rope_scaling")
+            # transformers < 5 writes `rope_scaling` + `rope_theta`; 5.x writes `rope_parameters`.
+            rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+            rope_theta = float(rs.get("rope_theta", cfg.get("rope_theta", 10000.0)))
             if rs:
                 rope_type = rs.get("rope_type", rs.get("type"))
                 if rope_type == "llama3":
@@ -144,7 +146,7 @@ class ModelConfig:
                 num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
                 head_dim=head_dim,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=rope_theta,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),

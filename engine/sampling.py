@@ -57,3 +57,37 @@ class SamplerState:
             gen = torch.Generator()
             gen.manual_seed(params.seed)
         return cls(params=params, generator=gen)
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits: [V] (already temperature-scaled) → logits with excluded tokens at -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list[int], list[float]]:
+    """logits: fp32 [B, V], one row per state → (token ids, log-probs of the chosen tokens)."""
+    logits = logits.float()
+    logprobs_all = torch.log_softmax(logits, dim=-1)  # [B, V]
+    greedy_ids = logits.argmax(dim=-1)  # [B]
+    out_ids: list[int] = []
+    for i, st in enumerate(states):
+        p = st.params
+        if p.greedy:
+            out_ids.append(int(greedy_ids[i]))
+            continue
+        row = _filter(logits[i] / p.temperature, p.top_k, p.top_p)
+        probs = row.softmax(-1)
+        out_ids.append(int(torch.multinomial(probs, 1, generator=st.generator)))
+    idx = torch.tensor(out_ids, dtype=torch.long, device=logits.device)
+    chosen = logprobs_all.gather(1, idx.unsqueeze(1)).squeeze(1)
+    return out_ids, [float(x) for x in chosen]

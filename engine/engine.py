@@ -1,0 +1,86 @@
+"""`Engine`: one process's model, tokenizer, KV cache and block pool, loaded together.
+
+Owns: resolving a model name to weights (bundled name, GGUF, or Hugging Face folder), building the
+`ModelRunner` with a KV cache sized by `EngineConfig`, and the block pool over that cache. Both
+workers hold exactly one `Engine`.
+
+Invariants: the cache and the pool agree on ``num_blocks`` and ``block_size``; ``max_model_len``
+never exceeds the model's positions; loading either returns a complete engine or raises
+`ModelLoadError` with nothing left allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import ContextLengthError
+from engine.kv_cache import KVCache
+from engine.model import LlamaModel
+from engine.runner import ModelRunner
+from engine.weights import load_weights
+
+
+@dataclass
+class Engine:
+    model_config: ModelConfig
+    config: EngineConfig
+    runner: ModelRunner
+    pool: BlockPool
+    model_dir: Path
+    max_model_len: int
+
+    @property
+    def cache(self) -> KVCache:
+        return self.runner.cache
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return (n_tokens + self.block_size - 1) // self.block_size
+
+    def check_length(self, n_prompt: int, max_tokens: int = 0) -> None:
+        """Refuse a prompt that cannot fit: prompt + requested tokens > max_model_len."""
+        if n_prompt < 1:
+            raise ValueError("the prompt is empty")
+        if n_prompt + max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{n_prompt + max_tokens} were requested ({n_prompt} in the prompt, {max_tokens} to generate)"
+            )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, config: EngineConfig) -> Engine:
+        model_dir = Path(model_dir)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        mcfg = ModelConfig.from_dir(model_dir)
+        max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        weights = load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device)
+        model = LlamaModel(mcfg, weights, max_positions=max_len)
+        cache = KVCache.allocate(
+            mcfg, config.num_blocks, config.block_size, config.torch_dtype, config.device
+        )
+        pool = BlockPool(config.num_blocks, config.block_size, enable_prefix_cache=config.enable_prefix_cache)
+        return cls(
+            model_config=mcfg,
+            config=config,
+            runner=ModelRunner(model, cache),
+            pool=pool,
+            model_dir=model_dir,
+            max_model_len=max_len,
+        )
+
+    @classmethod
+    def load(cls, model: str, config: EngineConfig, cache_dir: str | Path | None = None) -> Engine:
+        """``model``: the bundled name, a ``.gguf`` file or a Hugging Face folder."""
+        from engine.bundled import prepare_model
+
+        folder = prepare_model(model, Path(cache_dir) if cache_dir else None)
+        return cls.from_dir(folder, config)

@@ -1,0 +1,54 @@
+"""The reference `generate()`: one sequence, prefill then decode, in one process.
+
+Owns: the simplest correct use of the engine; every distributed path is tested against it.
+Invariants: it allocates its own blocks and frees every one of them before returning, even on error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.engine import Engine
+from engine.runner import DecodeSeq, PrefillChunk
+from engine.sampling import SamplerState, SamplingParams, sample
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+def is_stop(token_id: int, params: SamplingParams, eos_ids: Sequence[int]) -> bool:
+    return token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids)
+
+
+def generate(
+    engine: Engine,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    eos_token_ids: Sequence[int] | None = None,
+) -> GenerateOutput:
+    """Generate up to ``params.max_tokens`` tokens after ``prompt_ids``."""
+    eos = tuple(engine.model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    engine.check_length(len(prompt_ids), params.max_tokens)
+    state = SamplerState.new(params)
+    total = len(prompt_ids) + params.max_tokens
+    blocks = engine.pool.allocate(engine.blocks_for(total))
+    try:
+        logits = engine.runner.prefill([PrefillChunk(list(prompt_ids), 0, blocks)])
+        ids, lps = sample(logits, [state])
+        out, out_lp = [ids[0]], [lps[0]]
+        pos = len(prompt_ids)
+        while len(out) < params.max_tokens and not is_stop(out[-1], params, eos):
+            logits = engine.runner.decode([DecodeSeq(out[-1], pos, blocks)])
+            ids, lps = sample(logits, [state])
+            out.append(ids[0])
+            out_lp.append(lps[0])
+            pos += 1
+        reason = "stop" if is_stop(out[-1], params, eos) else "length"
+        return GenerateOutput(out, out_lp, reason)
+    finally:
+        engine.pool.free(blocks)

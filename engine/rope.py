@@ -1,0 +1,56 @@
+"""Rotary position embeddings (Hugging Face ``rotate_half`` convention), incl. llama3 scaling.
+
+Owns: the cos/sin tables and their application to q and k.
+Invariant: tables are computed in fp32 and cast to the activation dtype on use, as transformers does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.config import ModelConfig, RopeScaling
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, a smooth blend between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Precomputed ``cos``/``sin`` of shape ``[max_positions, head_dim]``."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device) -> None:
+        inv_freq = _inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+        self.max_positions = max_positions
+
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KV, D], positions: [T] → rotated (q, k), same shapes and dtype."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

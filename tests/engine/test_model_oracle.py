@@ -1,0 +1,176 @@
+"""Our forward over the paged cache vs transformers' forward on the same tiny random weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.runner import DecodeSeq, PrefillChunk
+from tests.tiny_models import make_tiny
+
+ATOL = 1e-4
+
+FAMILIES = {
+    "llama": {},
+    "qwen2": {},
+    "llama-tied": {"tie_word_embeddings": True},
+    "llama3-rope": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    import transformers
+
+    name = request.param
+    family = "qwen2" if name.startswith("qwen2") else "llama"
+    path = make_tiny(family, tmp_path_factory.mktemp(name), **FAMILIES[name])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eng = Engine.from_dir(path, EngineConfig(num_blocks=128, block_size=8, enable_prefix_cache=True))
+    return hf, eng
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()  # [S, V]
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 33, 100])
+def test_prefill_matches(pair, n: int) -> None:
+    hf, eng = pair
+    ids = rand_ids(n, n)
+    blocks = eng.pool.allocate(eng.blocks_for(n))
+    try:
+        ours = eng.runner.prefill([PrefillChunk(ids, 0, blocks)], all_logits=True)
+    finally:
+        eng.pool.free(blocks)
+    torch.testing.assert_close(ours, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_batched_prefill_matches(pair) -> None:
+    hf, eng = pair
+    prompts = [rand_ids(n, 100 + n) for n in (5, 17, 40)]
+    tables = [eng.pool.allocate(eng.blocks_for(len(p))) for p in prompts]
+    try:
+        ours = eng.runner.prefill([PrefillChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    finally:
+        for t in tables:
+            eng.pool.free(t)
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(ours[i], hf_logits(hf, p)[-1], atol=ATOL, rtol=0)
+
+
+def test_three_chunks_match(pair) -> None:
+    hf, eng = pair
+    ids = rand_ids(50, 7)
+    blocks = eng.pool.allocate(eng.blocks_for(50))
+    try:
+        parts = []
+        for lo, hi in ((0, 13), (13, 29), (29, 50)):
+            parts.append(eng.runner.prefill([PrefillChunk(ids[lo:hi], lo, blocks)], all_logits=True))
+    finally:
+        eng.pool.free(blocks)
+    torch.testing.assert_close(torch.cat(parts), hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_prefix_cache_hit_matches(pair) -> None:
+    hf, eng = pair
+    prefix = rand_ids(24, 11)  # 3 full blocks of 8
+    a, b = [*prefix, *rand_ids(5, 12)], [*prefix, *rand_ids(9, 13)]
+    pool = eng.pool
+    ta = pool.allocate(eng.blocks_for(len(a)))
+    eng.runner.prefill([PrefillChunk(a, 0, ta)])
+    pool.commit_full_blocks(ta, a)
+    hit = pool.match_prefix(b[:-1])
+    assert hit == ta[:3], "the three full prefix blocks are reused"
+    tb = hit + pool.allocate(eng.blocks_for(len(b)) - len(hit))
+    try:
+        cached = len(hit) * eng.block_size
+        ours = eng.runner.prefill([PrefillChunk(b[cached:], cached, tb)], all_logits=True)
+    finally:
+        pool.free(ta)
+        pool.free(tb)
+    torch.testing.assert_close(ours, hf_logits(hf, b)[24:], atol=ATOL, rtol=0)
+    pool.check_integrity()
+
+
+def test_batched_decode_matches(pair) -> None:
+    """4 sequences of different lengths, 3 decode steps each, against full forwards."""
+    hf, eng = pair
+    seqs = [rand_ids(n, 200 + n) for n in (3, 8, 21, 60)]
+    steps = 3
+    tables = [eng.pool.allocate(eng.blocks_for(len(s) + steps)) for s in seqs]
+    try:
+        logits = eng.runner.prefill([PrefillChunk(s, 0, t) for s, t in zip(seqs, tables, strict=True)])
+        for _ in range(steps):
+            nxt = logits.argmax(-1).tolist()
+            batch = [DecodeSeq(tok, len(s), t) for tok, s, t in zip(nxt, seqs, tables, strict=True)]
+            for s, tok in zip(seqs, nxt, strict=True):
+                s.append(tok)
+            logits = eng.runner.decode(batch)
+            for i, s in enumerate(seqs):
+                torch.testing.assert_close(logits[i], hf_logits(hf, s)[-1], atol=ATOL, rtol=0)
+    finally:
+        for t in tables:
+            eng.pool.free(t)
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
+def test_generate_matches_hf_greedy(pair) -> None:
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+
+    hf, eng = pair
+    ids = rand_ids(12, 99)
+    out = generate(eng, ids, SamplingParams(max_tokens=20, ignore_eos=True), eos_token_ids=())
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(ids):].tolist()
+    assert out.token_ids == ref
+
+
+def test_bad_input_errors(tmp_path: Path) -> None:
+    import json
+
+    from engine.errors import ContextLengthError, ModelLoadError
+
+    path = make_tiny("llama", tmp_path / "m")
+    eng = Engine.from_dir(path, EngineConfig(num_blocks=8, block_size=8))
+    with pytest.raises(ContextLengthError, match="maximum context length is 1024"):
+        eng.check_length(1000, 100)
+    cfg = json.loads((path / "config.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"],
+                                                  "model_type": "gpt2"}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        Engine.from_dir(bad, EngineConfig())
+    (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": 96}))
+    (bad / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: config does not match weights"):
+        Engine.from_dir(bad, EngineConfig())
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: cannot read"):
+        Engine.from_dir(bad, EngineConfig())
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
+        Engine.from_dir(bad, EngineConfig())

@@ -1,0 +1,45 @@
+"""Tiny random Hugging Face models saved to disk, the oracles for the engine tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def make_tiny(family: str, path: Path, seed: int = 0, **overrides: object) -> Path:
+    """Build a tiny random ``llama`` or ``qwen2`` model with transformers and save it to ``path``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common: dict[str, object] = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    common.update(overrides)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        # Random init leaves biases at zero; make them matter.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    else:
+        raise ValueError(family)
+    model = model.float().eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
