@@ -64,8 +64,12 @@ class ModelRunner:
         if not chunks:
             raise ValueError("prefill of an empty batch")
         tokens: list[int] = []
-        pos_parts, slot_parts, ctx_slots = [], [], []
-        seq_lens, starts, last_rows = [], [], []
+        pos_parts: list[torch.Tensor] = []
+        slot_parts: list[torch.Tensor] = []
+        ctx_slots: list[torch.Tensor | None] = []
+        seq_lens: list[int] = []
+        starts: list[int] = []
+        last_rows: list[int] = []
         for c in chunks:
             n = len(c.token_ids)
             if n == 0:
