@@ -86,13 +86,13 @@ class _Meta:
     """Typed access to a reader's key/value metadata; missing required keys name the file."""
 
     def __init__(self, reader: GGUFReader, source: Path) -> None:
-        self._reader, self._source = reader, source
+        self._reader, self.source = reader, source
 
     def get(self, key: str, default: Any = _MISSING) -> Any:
         field = self._reader.fields.get(key)
         if field is None:
             if default is _MISSING:
-                raise ModelLoadError(f"{self._source}: GGUF metadata is missing {key!r}")
+                raise ModelLoadError(f"{self.source}: GGUF metadata is missing {key!r}")
             return default
         return field.contents()
 
@@ -112,7 +112,7 @@ def _hf_config(meta: _Meta, arch: str, n_vocab: int, tied: bool, has_qkv_bias: b
     hidden = int(meta.get(f"{arch}.embedding_length"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_head))
     if int(meta.get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
-        raise ModelLoadError(f"{meta._source}: partial rotary embeddings are not supported")
+        raise ModelLoadError(f"{meta.source}: partial rotary embeddings are not supported")
     eos = int(meta.get("tokenizer.ggml.eos_token_id"))
     cfg: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu",
@@ -150,13 +150,13 @@ def _build_tokenizer(meta: _Meta) -> tuple[HFTokenizer, dict[str, Any]]:
     """A ``tokenizers`` BPE tokenizer and the special-token part of ``tokenizer_config.json``."""
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
-        raise ModelLoadError(f"{meta._source}: tokenizer model {model!r} is not supported (only 'gpt2' BPE)")
+        raise ModelLoadError(f"{meta.source}: tokenizer model {model!r} is not supported (only 'gpt2' BPE)")
     pre = meta.get("tokenizer.ggml.pre", "default")
     tokens: list[str] = meta.get("tokenizer.ggml.tokens")
     types: list[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
-        raise ModelLoadError(f"{meta._source}: token list has duplicate entries")
+        raise ModelLoadError(f"{meta.source}: token list has duplicate entries")
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges")]
     tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False,  # type: ignore[arg-type]
                                  ignore_merges=pre in ("llama-bpe", "llama3")))
@@ -170,11 +170,11 @@ def _build_tokenizer(meta: _Meta) -> tuple[HFTokenizer, dict[str, Any]]:
     elif pre in _GPT2_PRE:
         tok.pre_tokenizer = byte_level
     else:
-        raise ModelLoadError(f"{meta._source}: pre-tokenizer {pre!r} is not supported; supported: "
+        raise ModelLoadError(f"{meta.source}: pre-tokenizer {pre!r} is not supported; supported: "
                              f"{sorted([*_GPT2_PRE, *_SPLIT_PRE, *_DIGITS_PRE])}")
     tok.decoder = decoders.ByteLevel()
     if len(types) != len(tokens):
-        raise ModelLoadError(f"{meta._source}: {len(types)} token types for {len(tokens)} tokens")
+        raise ModelLoadError(f"{meta.source}: {len(types)} token types for {len(tokens)} tokens")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -184,11 +184,11 @@ def _build_tokenizer(meta: _Meta) -> tuple[HFTokenizer, dict[str, Any]]:
         idx = meta.get(f"tokenizer.ggml.{key}_token_id", None)
         return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
 
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and name("bos") is not None
-    if add_bos:
-        bos = (name("bos"), vocab[name("bos") or ""])
+    bos = name("bos")
+    add_bos = bos is not None and bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    if bos is not None and add_bos:
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B:1", special_tokens=[bos])
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, vocab[bos])])
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     special = {"bos_token": name("bos"), "eos_token": name("eos"), "pad_token": name("padding"),

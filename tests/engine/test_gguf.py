@@ -9,6 +9,7 @@ factual question.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,8 @@ def tiny_model(family: str, tied: bool) -> transformers.PreTrainedModel:
     return model.float().eval()
 
 
-def write_gguf(path: Path, model: transformers.PreTrainedModel, qtype: QT, arch: str = "llama") -> None:
+def write_gguf(path: Path, model: transformers.PreTrainedModel, qtype: QT, arch: str = "llama",
+               add_bos: bool = False) -> None:
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -103,6 +105,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, qtype: QT, arch:
     w.add_token_merges(MERGES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -177,6 +180,13 @@ def test_tokenizer_from_metadata(tmp_path: Path) -> None:
     assert tok.decode(ids, skip_special_tokens=False) == "hello world<|im_end|>"
     assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (1, (2,), len(TOKENS))
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|im_start|>hi<|im_end|>"
+    assert tok.encode("hello", add_special_tokens=True) == ids[:1]  # add_bos_token is false here
+
+    write_gguf(tmp_path / "bos.gguf", tiny_model("llama", True), QT.F32, add_bos=True)
+    out = convert_gguf_to_hf(tmp_path / "bos.gguf", tmp_path / "hf-bos", progress=False)
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    assert Tokenizer.from_dir(out).encode("hello", add_special_tokens=True) == [1, ids[0]]
+    assert hf.encode("hello") == [1, ids[0]]
 
 
 def assert_fails_cleanly(src: Path, out: Path, *fragments: str) -> None:
@@ -229,6 +239,25 @@ def test_prepare_model_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     for bad in ("no-such-model", str(tmp_path)):
         with pytest.raises(ModelLoadError, match=r"no-such-model|config\.json"):
             prepare_model(bad, cache_dir=cache)
+
+
+def test_concurrent_prepare_converts_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.bundled
+
+    write_gguf(tmp_path / "m.gguf", tiny_model("llama", True), QT.F32)
+    calls: list[Path] = []
+
+    def counting(src: Path, out: Path, progress: bool = True) -> Path:
+        calls.append(out)
+        return convert_gguf_to_hf(src, out, progress=False)
+
+    monkeypatch.setattr(engine.bundled, "convert_gguf_to_hf", counting)
+    with ThreadPoolExecutor(3) as pool:
+        results = set(pool.map(lambda _: prepare_model(str(tmp_path / "m.gguf"), tmp_path / "c"), range(3)))
+    assert len(results) == 1 and len(calls) == 1
+    (results.pop() / MARKER_FILE).unlink()  # an entry without its marker is not trusted
+    prepare_model(str(tmp_path / "m.gguf"), tmp_path / "c")
+    assert len(calls) == 2
 
 
 def test_missing_bundled_package(monkeypatch: pytest.MonkeyPatch) -> None:
