@@ -10,7 +10,7 @@ ran in; the log-probability returned is of the chosen token under the *unmodifie
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,18 +45,28 @@ class SamplingParams:
 
 @dataclass
 class SamplerState:
-    """Mutable per-sequence sampler state (the seeded generator lives here)."""
+    """Mutable per-sequence sampler state.
+
+    A seeded request draws token ``t`` from a generator seeded with ``(seed, t)``, so the text
+    depends only on the seed — not on the batch it ran in, nor on which process sampled which token
+    (token 0 on a prefill replica, the rest on a decode replica gives the same text as colocated).
+    """
 
     params: SamplingParams
-    generator: torch.Generator | None = field(default=None)
+    step: int = 0  # index of the next token this state will sample
 
     @classmethod
-    def new(cls, params: SamplingParams) -> SamplerState:
-        gen = None
-        if params.seed is not None and not params.greedy:
-            gen = torch.Generator()
-            gen.manual_seed(params.seed)
-        return cls(params=params, generator=gen)
+    def new(cls, params: SamplingParams, start_step: int = 0) -> SamplerState:
+        return cls(params=params, step=start_step)
+
+    def next_generator(self) -> torch.Generator | None:
+        step = self.step
+        self.step += 1
+        if self.params.seed is None or self.params.greedy:
+            return None
+        gen = torch.Generator()
+        gen.manual_seed((self.params.seed * 1_000_003 + step) & 0x7FFF_FFFF_FFFF_FFFF)
+        return gen
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -82,12 +92,13 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list[int],
     out_ids: list[int] = []
     for i, st in enumerate(states):
         p = st.params
+        gen = st.next_generator()
         if p.greedy:
             out_ids.append(int(greedy_ids[i]))
             continue
         row = _filter(logits[i] / p.temperature, p.top_k, p.top_p)
         probs = row.softmax(-1)
-        out_ids.append(int(torch.multinomial(probs, 1, generator=st.generator)))
+        out_ids.append(int(torch.multinomial(probs, 1, generator=gen)))
     idx = torch.tensor(out_ids, dtype=torch.long, device=logits.device)
     chosen = logprobs_all.gather(1, idx.unsqueeze(1)).squeeze(1)
     return out_ids, [float(x) for x in chosen]

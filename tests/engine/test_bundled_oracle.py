@@ -1,0 +1,49 @@
+"""The bundled SmolLM2-135M-Instruct: our greedy output equals transformers' greedy generate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.generate import generate
+from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence why the sky is blue.",
+]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_greedy_32_tokens_equal_transformers(smollm_dir: Path) -> None:
+    import transformers
+
+    tok = Tokenizer.from_dir(smollm_dir)
+    eng = Engine.from_dir(smollm_dir, EngineConfig(num_blocks=64, block_size=16))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # generate all 32 tokens, like ignore_eos on our side
+    for prompt in PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": prompt}])
+        ours = generate(eng, ids, SamplingParams(max_tokens=32, ignore_eos=True), eos_token_ids=())
+        with torch.no_grad():
+            # EOS disabled on both sides, so all 32 tokens are compared (the text runs on past the answer).
+            # An explicit mask: pad == eos == <|im_end|> appears inside the chat prompt, and
+            # transformers would otherwise infer those positions are padding.
+            x = torch.tensor([ids])
+            ref = hf.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
+                pad_token_id=tok.eos_token_ids[0],
+            )[0, len(ids):].tolist()
+        assert ours.token_ids == ref, (prompt, tok.decode(ours.token_ids), tok.decode(ref))
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+    answer = tok.decode(
+        generate(eng, tok.encode_chat([{"role": "user", "content": PROMPTS[0]}]), SamplingParams(max_tokens=16)).token_ids
+    )
+    assert "Paris" in answer
