@@ -1,0 +1,235 @@
+"""The HTTP ingress: OpenAI-compatible endpoints on FastAPI, served by the `Router` deployment.
+
+Owns: the FastAPI ``app`` and `Router(prefill_handle, decode_handle, config)`, the Serve ingress
+class (stateless; any number of replicas behind any load balancer).
+
+Per request: read the body (≤ ``max_body_bytes``, else 413) → auth (Bearer key, constant-time
+compare) → validate (400 in OpenAI's shape) → model name (404) → chat template + tokenize →
+context bound (400 ``context_length_exceeded``) → `Generation` (prefill, token 0 sent at once,
+decode stream relayed) → SSE chunks ending in ``data: [DONE]``, or one JSON response.
+
+Invariants: errors before the first token get their real status (429 with Retry-After, 503, …);
+after it, a stream ends with ``data: {"error": …}`` then ``data: [DONE]``; a client that goes away
+mid-stream cancels the decode stream (the generator is closed, which cancels the Serve stream).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from router.backends import Backends
+from router.codec import load_codec
+from router.config import RouterConfig
+from router.errors import (
+    APIError,
+    bad_request,
+    body_too_large,
+    from_exception,
+    from_validation_errors,
+    install_handlers,
+    model_not_found,
+    unauthorized,
+    unavailable,
+)
+from router.generation import Delta, Generation, GenerationInput, StreamError
+from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.openai_format import DONE, ChatFormatter, CompletionFormatter, Formatter, sse
+from router.prompt import chat_prompt, completion_prompt, sampling_for
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    ModelCard,
+    ModelList,
+    new_id,
+)
+
+logger = logging.getLogger("pdserve.router")
+
+app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+install_handlers(app)
+
+_FALLBACK_MAX_MODEL_LEN = 2048
+
+R = TypeVar("R", bound=GenerationRequest)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; 413 past ``limit`` bytes (checked as it streams in), 400 if not JSON."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise body_too_large(limit)
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"The request body is not valid JSON: {e}") from None
+
+
+def stream_error(exc: BaseException) -> APIError:
+    if isinstance(exc, StreamError):
+        return APIError(500, str(exc), type="server_error", code="stream_error")
+    return from_exception(exc)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=1000)
+@serve.ingress(app)
+class Router:
+    def __init__(self, prefill_handle: Any | None, decode_handle: Any, config: RouterConfig) -> None:
+        if (prefill_handle is None) != (config.mode == "colocated"):
+            raise ValueError(f"mode {config.mode!r} needs {'no' if config.mode == 'colocated' else 'a'} "
+                             "prefill handle")
+        self._config = config
+        self._codec = load_codec(config)
+        self._max_model_len = config.max_model_len or self._codec.max_model_len or _FALLBACK_MAX_MODEL_LEN
+        names = [h.deployment_name for h in (prefill_handle, decode_handle) if h is not None]
+        self._metrics = RouterMetrics(load_deployments=names)
+        self._backends = Backends(prefill_handle, decode_handle, config.prefill_timeout_s,
+                                  config.token_timeout_s, config.ready_timeout_s)
+        self._generation = Generation(self._backends, self._codec, self._metrics)
+        self._keys = tuple(k.encode() for k in config.api_keys)
+
+    # ---- guards ----
+    def _authorize(self, request: Request) -> None:
+        if not self._keys or request.url.path in self._config.public_paths:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        ok = False
+        for key in self._keys:  # no early exit: the time taken does not say which key came close
+            ok |= hmac.compare_digest(given, key)
+        if not ok:
+            raise unauthorized()
+
+    async def _parse(self, request: Request, model: type[R]) -> R:
+        self._authorize(request)
+        payload = await read_json(request, self._config.max_body_bytes)
+        try:
+            req = model.model_validate(payload)
+        except ValidationError as e:
+            raise from_validation_errors(e.errors()) from None
+        if req.model != self._config.served_model_name:
+            raise model_not_found(req.model)
+        return req
+
+    # ---- OpenAI endpoints ----
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        try:
+            req: CompletionRequest = await self._parse(request, CompletionRequest)
+            prompt = completion_prompt(req, self._codec)
+            fmt: Formatter = CompletionFormatter(
+                model=req.model, codec=self._codec, prompt_tokens=len(prompt),
+                logprobs=req.logprobs is not None, include_usage=req.include_usage)
+            return await self._run(req.stream, prompt, req, fmt, "cmpl")
+        except APIError as e:
+            return e.response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+            prompt = chat_prompt(req, self._codec)
+            fmt: Formatter = ChatFormatter(model=req.model, codec=self._codec, prompt_tokens=len(prompt),
+                                           logprobs=req.logprobs, include_usage=req.include_usage)
+            return await self._run(req.stream, prompt, req, fmt, "chatcmpl")
+        except APIError as e:
+            return e.response()
+
+    async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
+                   kind: str) -> Response:
+        arrival_mono = time.perf_counter()
+        sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
+                                self._codec.eos_token_ids, fmt.logprobs)
+        inp = GenerationInput(request_id=new_id(kind), prompt_token_ids=prompt, sampling=sampling,
+                              stop_strings=req.stop_strings, arrival_mono=arrival_mono)
+        deltas = self._generation.stream(inp)
+        try:
+            first = await deltas.__anext__()
+        except StopAsyncIteration:
+            return stream_error(StreamError("the generation produced no tokens")).response()
+        except Exception as e:
+            await deltas.aclose()
+            return stream_error(e).response()
+        if stream:
+            return StreamingResponse(self._sse(first, deltas, fmt), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            fmt.add(first)
+            async for delta in deltas:
+                fmt.add(delta)
+        except Exception as e:
+            return stream_error(e).response()
+        finally:
+            await deltas.aclose()
+        return JSONResponse(fmt.response().model_dump())
+
+    async def _sse(
+        self, first: Delta, deltas: AsyncGenerator[Delta, None], fmt: Formatter
+    ) -> AsyncIterator[str]:
+        try:
+            try:
+                yield sse(fmt.chunk(first))
+                async for delta in deltas:
+                    yield sse(fmt.chunk(delta))
+                if fmt.include_usage:
+                    yield sse(fmt.usage_chunk())
+            except Exception as e:
+                err = stream_error(e)
+                logger.warning("stream %s failed after its first token: %s", fmt.id, err.message)
+                yield sse(err.body())
+            yield DONE
+        finally:
+            await deltas.aclose()
+
+    # ---- service endpoints ----
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except APIError as e:
+            return e.response()
+        card = ModelCard(id=self._config.served_model_name, created=int(time.time()),
+                         max_model_len=self._max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except APIError as e:
+            return e.response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            if not await self._backends.ready():
+                raise unavailable("The prefill or decode pool is not ready.")
+        except APIError as e:
+            return e.response()
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except APIError as e:
+            return e.response()
+        return Response(self._metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,124 @@
+"""The router's calls into the prefill and decode pools, with timeouts, one retry and cancellation.
+
+Owns: `Backends`, a thin layer over the two Serve `DeploymentHandle`s (the prefill one is None in
+colocated mode). Which replica a call reaches is decided by Serve with our
+`router.replica_router.LoadAwareRequestRouter` configured on the target deployment.
+
+Invariants:
+- a prefill call that fails before returning because its replica went away (actor died or
+  unavailable, deployment unavailable) is retried exactly once, and Serve routes the retry afresh
+  (a dead replica is dropped from its set); a second such failure is a 503. Errors the replica
+  raised itself (queue full, context too long, bugs) are never retried;
+- a call that outlives its timeout is cancelled, then answered with a 503 (prefill) or an error
+  event (decode, per token);
+- leaving a `generate` context early — stop string, client disconnect, error — cancels the
+  decode stream, so the decode replica frees the request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError
+
+from decode_worker.types import DecodeRequest, TokenEvent
+from prefill_worker.types import PrefillRequest, PrefillResult
+from router.errors import APIError, unavailable
+
+logger = logging.getLogger("pdserve.router")
+
+#: failures that mean "the replica went away", not "the replica refused"
+REPLICA_GONE: tuple[type[BaseException], ...] = (RayActorError, DeploymentUnavailableError)
+
+
+class TokenTimeoutError(Exception):
+    """No decode event arrived within the per-token timeout."""
+
+
+class Backends:
+    """Handles to the pools plus the policies above (see the module docstring)."""
+
+    def __init__(
+        self,
+        prefill: Any | None,
+        decode: Any,
+        prefill_timeout_s: float,
+        token_timeout_s: float,
+        ready_timeout_s: float,
+    ) -> None:
+        self._prefill = prefill
+        self._decode = decode
+        self._prefill_timeout_s = prefill_timeout_s
+        self._token_timeout_s = token_timeout_s
+        self._ready_timeout_s = ready_timeout_s
+
+    @property
+    def disaggregated(self) -> bool:
+        return self._prefill is not None
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        assert self._prefill is not None, "prefill() in colocated mode"
+        for attempt in (1, 2):
+            response = self._prefill.prefill.remote(req)
+            try:
+                result: PrefillResult = await asyncio.wait_for(response, self._prefill_timeout_s)
+                return result
+            except asyncio.TimeoutError:
+                response.cancel()
+                raise unavailable(f"prefill did not answer within {self._prefill_timeout_s:g} s") from None
+            except asyncio.CancelledError:
+                response.cancel()
+                raise
+            except REPLICA_GONE as e:
+                if attempt == 2:
+                    raise unavailable("no prefill replica could take the request") from e
+                logger.warning("prefill of %s failed (%s); retrying once", req.request_id, type(e).__name__)
+        raise AssertionError("unreachable")
+
+    @asynccontextmanager
+    async def generate(self, req: DecodeRequest) -> AsyncIterator[AsyncIterator[TokenEvent]]:
+        """A decode stream; exiting the ``async with`` before its end cancels it."""
+        stream = self._decode.options(stream=True).generate.remote(req)
+        finished = False
+
+        async def events() -> AsyncIterator[TokenEvent]:
+            nonlocal finished
+            while True:
+                try:
+                    event: TokenEvent = await asyncio.wait_for(stream.__anext__(), self._token_timeout_s)
+                except StopAsyncIteration:
+                    finished = True
+                    return
+                except asyncio.TimeoutError:
+                    raise TokenTimeoutError(
+                        f"no token from the decode pool within {self._token_timeout_s:g} s") from None
+                except REPLICA_GONE as e:
+                    raise unavailable("the decode replica serving this request went away") from e
+                yield event
+                if event.finish_reason is not None:
+                    finished = True
+                    return
+
+        try:
+            yield events()
+        finally:
+            if not finished:
+                stream.cancel()
+
+    async def ready(self) -> bool:
+        """Both pools answer ``ready()`` with True within the ready timeout."""
+        handles = [h for h in (self._prefill, self._decode) if h is not None]
+        try:
+            answers = await asyncio.wait_for(
+                asyncio.gather(*(h.ready.remote() for h in handles)), self._ready_timeout_s)
+        except (asyncio.TimeoutError, APIError, RayActorError, DeploymentUnavailableError):
+            return False
+        except Exception:
+            logger.exception("ready() failed")
+            return False
+        return all(bool(a) for a in answers)

@@ -1,0 +1,92 @@
+"""Text ↔ token ids for the router: the only model artefact a router replica loads.
+
+Owns: the `TextCodec` protocol the router programs against (encode, chat template, per-token text
+for logprobs, a fresh incremental detokenizer per request) and `EngineTextCodec`, its
+implementation over `engine.tokenizer.Tokenizer` + `engine.detokenizer.IncrementalDetokenizer`.
+Tests bring a fake through ``RouterConfig.codec_factory``.
+
+Invariants: a codec is read-only after construction and shared by every request of a replica;
+detokenizers are per request; EOS ids are the tokenizer's (``eos_token`` plus the generation
+config's), used as stop token ids unless the request sets ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from router.config import RouterConfig
+
+
+class Detokenizer(Protocol):
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class TextCodec(Protocol):
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int | None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def detokenizer(self) -> Detokenizer: ...
+
+
+class EngineTextCodec:
+    """`TextCodec` over the engine's tokenizer of a prepared Hugging Face-style folder."""
+
+    def __init__(self, folder: Path) -> None:
+        from engine.config import ModelConfig
+        from engine.tokenizer import Tokenizer
+
+        self._tok = Tokenizer.from_dir(folder)
+        self._max_len = ModelConfig.from_dir(folder).max_position_embeddings
+        self._eos = tuple(self._tok.eos_token_ids)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.vocab_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_len
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return self._tok.encode_chat(list(messages), add_generation_prompt=True)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def detokenizer(self) -> Detokenizer:
+        from engine.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self._tok)
+
+
+def load_codec(config: RouterConfig) -> TextCodec:
+    """The codec the config names: its factory, else the tokenizer of the prepared model folder."""
+    if config.codec_factory is not None:
+        return config.codec_factory(config)
+    from engine.bundled import prepare_model
+
+    cache = Path(config.model_cache_dir) if config.model_cache_dir else None
+    return EngineTextCodec(prepare_model(config.model, cache_dir=cache, progress=False))

@@ -1,0 +1,45 @@
+"""Configuration of the HTTP router replicas (built by `cluster.config.ClusterConfig`).
+
+Invariants: frozen and picklable (it travels to every router replica); API keys never appear in
+its repr; ``codec_factory`` is for tests and tools that bring their own tokenizer, and when None
+the router loads the tokenizer of ``model`` (prepared by `engine.bundled.prepare_model`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.codec import TextCodec
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    served_model_name: str = DEFAULT_MODEL  # the name clients send as "model" (and /v1/models lists)
+    model: str = DEFAULT_MODEL  # bundled name, .gguf file or Hugging Face folder: where the tokenizer is
+    model_cache_dir: str | None = None
+    mode: str = "disaggregated"  # "disaggregated": prefill then decode; "colocated": decode only
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
+    public_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")  # reachable without a key
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    default_max_tokens: int | None = None  # cap when a request sets none (None: the rest of the context)
+    prefill_timeout_s: float = 120.0  # one prefill call (queueing included); then 503
+    token_timeout_s: float = 60.0  # longest wait for the next decode event; then an error event
+    ready_timeout_s: float = 5.0  # each pool's ready() call behind /ready
+    codec_factory: Callable[[RouterConfig], TextCodec] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"router mode must be 'disaggregated' or 'colocated', got {self.mode!r}")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        for name in ("prefill_timeout_s", "token_timeout_s", "ready_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")

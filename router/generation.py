@@ -1,0 +1,184 @@
+"""One request's generation as the router sees it: prefill, token 0 at once, the decode stream.
+
+Owns: `Generation`, which turns a tokenized, validated request into a stream of `Delta`s (new text,
+the tokens behind it, their log-probs, and at the end the finish reason) that the HTTP layer
+formats as OpenAI chunks or one response. It applies incremental detokenization, stop strings and
+the ``max_tokens`` bound, and records the request's metrics.
+
+Life cycle: [disaggregated] ``prefill`` → Delta(token 0) → ``generate(first_token_id, handle)`` →
+Delta per event; [colocated] ``generate(None, None)`` → Delta per event (the first is token 0).
+A request finished by token 0 (EOS, ``max_tokens == 1``) never reaches the decode pool.
+
+Invariants: exactly one Delta carries a finish reason, and it is the last; ``completion_tokens``
+counts every generated token up to and including the one that finished the request (token 0
+included, EOS included), as OpenAI and vLLM count; EOS text is never emitted; stopping early
+(stop string, our own ``max_tokens`` bound, consumer gone) cancels the decode stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
+from engine.sampling import SamplingParams
+from prefill_worker.types import PrefillRequest
+from router.backends import Backends, TokenTimeoutError
+from router.codec import Detokenizer, TextCodec
+from router.metrics import RouterMetrics
+from router.stops import StopMatcher
+
+
+class StreamError(Exception):
+    """The decode pool ended the stream with an error (or stopped answering)."""
+
+
+@dataclass(frozen=True)
+class GenerationInput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stop_strings: tuple[str, ...] = ()
+    arrival_time: float = field(default_factory=time.time)  # wall clock, for worker queue metrics
+    arrival_mono: float = field(default_factory=time.perf_counter)  # for our latency metrics
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float | None, ...]
+    finish_reason: str | None = None
+
+
+@dataclass
+class _State:
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    first_sent: float | None = None
+    last_sent: float | None = None
+
+
+class Generation:
+    """Streams one request (see the module docstring)."""
+
+    def __init__(self, backends: Backends, codec: TextCodec, metrics: RouterMetrics) -> None:
+        self._backends = backends
+        self._codec = codec
+        self._metrics = metrics
+
+    async def stream(self, inp: GenerationInput) -> AsyncGenerator[Delta, None]:
+        st = _State()
+        eos = frozenset(()) if inp.sampling.ignore_eos else frozenset(self._codec.eos_token_ids)
+        detok = self._codec.detokenizer()
+        stops = StopMatcher(inp.stop_strings)
+        try:
+            first: int | None = None
+            handle = None
+            if self._backends.disaggregated:
+                result = await self._backends.prefill(PrefillRequest(
+                    request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
+                    sampling=inp.sampling, arrival_time=inp.arrival_time))
+                self._metrics.queue.observe(result.timings.queue_s)
+                self._metrics.prefill.observe(result.timings.prefill_s)
+                delta = self._advance(st, inp, detok, stops, eos, (result.token_id,), (result.logprob,),
+                                      result.finish_reason if result.finished else None)
+                yield self._sent(st, delta)
+                if st.finish_reason is not None:
+                    return
+                first, handle = result.token_id, result.handle
+            req = DecodeRequest(request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
+                                sampling=inp.sampling, first_token_id=first, handle=handle,
+                                arrival_time=inp.arrival_time)
+            async with self._backends.generate(req) as events:
+                async for ev in events:
+                    if ev.finish_reason == "error":
+                        raise StreamError(ev.error or "the decode pool failed this request")
+                    self._record_timings(ev.timings)
+                    delta = self._advance(st, inp, detok, stops, eos, ev.token_ids,
+                                          _logprobs(ev), ev.finish_reason)
+                    yield self._sent(st, delta)
+                    if st.finish_reason is not None:
+                        return
+            if st.finish_reason is None:
+                raise StreamError("the decode stream ended without a finish reason")
+        except TokenTimeoutError as e:
+            raise StreamError(str(e)) from None
+        finally:
+            self._finish(st, inp)
+
+    def _advance(
+        self,
+        st: _State,
+        inp: GenerationInput,
+        detok: Detokenizer,
+        stops: StopMatcher,
+        eos: frozenset[int],
+        token_ids: Sequence[int],
+        logprobs: Sequence[float | None],
+        finish_reason: str | None,
+    ) -> Delta:
+        """Account for new tokens; returns the text they release and, if they end it, why."""
+        text: list[str] = []
+        kept_ids: list[int] = []
+        kept_lps: list[float | None] = []
+        for i, tid in enumerate(token_ids):
+            st.num_tokens += 1
+            kept_ids.append(tid)
+            kept_lps.append(logprobs[i] if i < len(logprobs) else None)
+            piece = "" if tid in eos else detok.push(tid)
+            text.append(stops.feed(piece))
+            if stops.finished:
+                st.finish_reason = "stop"
+                break
+            if tid in eos:
+                st.finish_reason = "stop"
+                break
+            if st.num_tokens >= inp.sampling.max_tokens:
+                st.finish_reason = "length"
+                break
+        if st.finish_reason is None and finish_reason is not None:
+            st.finish_reason = finish_reason
+        if st.finish_reason is not None and not stops.finished:
+            text.append(stops.feed(detok.flush()))
+            text.append(stops.flush())
+        return Delta("".join(text), tuple(kept_ids), tuple(kept_lps), st.finish_reason)
+
+    def _sent(self, st: _State, delta: Delta) -> Delta:
+        now = time.perf_counter()
+        if st.first_sent is None:
+            st.first_sent = now
+        elif st.last_sent is not None:
+            self._metrics.itl.observe(now - st.last_sent)
+        st.last_sent = now
+        return delta
+
+    def _record_timings(self, t: DecodeTimings | None) -> None:
+        if t is None:
+            return
+        if not self._backends.disaggregated:
+            self._metrics.queue.observe(t.queue_s)
+            self._metrics.prefill.observe(t.prefill_s)
+        else:
+            self._metrics.kv_transfer.observe(t.transfer_s)
+
+    def _finish(self, st: _State, inp: GenerationInput) -> None:
+        m = self._metrics
+        m.prompt_tokens.inc(len(inp.prompt_token_ids))
+        m.generation_tokens.inc(st.num_tokens)
+        if st.first_sent is None:
+            return
+        end = st.last_sent or st.first_sent
+        ttft = st.first_sent - inp.arrival_mono
+        m.ttft.observe(ttft)
+        m.e2e.observe(end - inp.arrival_mono)
+        if st.num_tokens > 1:
+            m.tpot.observe((end - st.first_sent) / (st.num_tokens - 1))
+        if st.finish_reason is not None:
+            m.success.labels(finish_reason=st.finish_reason).inc()
+
+
+def _logprobs(ev: TokenEvent) -> tuple[float | None, ...]:
+    return tuple(ev.logprobs) if ev.logprobs is not None else (None,) * len(ev.token_ids)
+

@@ -1,0 +1,84 @@
+"""Prometheus metrics of one router replica, in a registry of its own.
+
+Owns: `RouterMetrics` (latency histograms, token and success counters) and `LoadReportCollector`,
+which turns the replicas' latest load reports (`router.loadboard`) into per-replica gauges at
+scrape time.
+
+Definitions (as the common benchmark tools use them): TTFT = request received by the router →
+first token sent; ITL = gap between successive streamed token events; TPOT = (e2e − TTFT) /
+(output tokens − 1); queue / prefill / KV transfer times are what the workers report for the
+request. Names parallel vLLM's (``vllm:`` → ``pdserve:``) so dashboards port.
+
+Invariants: never the global registry (two apps in one process must not collide); a label set of
+a replica that disappeared is dropped at the next scrape (gauges are rebuilt from the board).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router import loadboard
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                  1.0, 2.5, 5.0)
+
+
+class LoadReportCollector(Collector):
+    """Per-replica gauges from the load board of the given deployments."""
+
+    def __init__(self, deployments: Sequence[str]) -> None:
+        self._deployments = tuple(deployments)
+
+    def collect(self) -> Iterator[Metric]:
+        running = GaugeMetricFamily("pdserve:num_requests_running", "Requests running on a replica.",
+                                    labels=["replica", "role"])
+        waiting = GaugeMetricFamily("pdserve:num_requests_waiting", "Requests waiting on a replica.",
+                                    labels=["replica", "role"])
+        used = GaugeMetricFamily("pdserve:kv_blocks_used", "KV blocks in use on a replica.",
+                                 labels=["replica", "role"])
+        free = GaugeMetricFamily("pdserve:kv_blocks_free", "Free KV blocks on a replica.",
+                                 labels=["replica", "role"])
+        for deployment in self._deployments:
+            for rid, r in sorted(loadboard.snapshot(deployment).items()):
+                labels = [rid, r.role or deployment]
+                running.add_metric(labels, r.num_running)
+                waiting.add_metric(labels, r.num_waiting)
+                used.add_metric(labels, max(0, r.kv_blocks_total - r.kv_blocks_free))
+                free.add_metric(labels, r.kv_blocks_free)
+        yield from (running, waiting, used, free)
+
+
+class RouterMetrics:
+    def __init__(self, load_deployments: Sequence[str] = ()) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Gap between streamed tokens.",
+                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve:time_per_output_token_seconds", "Mean time per token after the first.",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Request received to last token sent.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("pdserve:request_queue_time_seconds", "Time waiting in a worker queue.",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("pdserve:request_prefill_time_seconds", "Prefill compute time.",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_transfer = Histogram("pdserve:kv_transfer_time_seconds", "KV pull time on the decode side.",
+                                     buckets=_TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.", registry=r)
+        self.success = Counter("pdserve:request_success", "Requests finished, by finish reason.",
+                               ["finish_reason"], registry=r)
+        r.register(LoadReportCollector(load_deployments))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,84 @@
+"""From a validated OpenAI request to what the pools take: prompt token ids and sampling params.
+
+Owns: `completion_prompt`, `chat_prompt` (the chat template is applied here, in the router) and
+`sampling_for`, which enforces the context bound.
+
+Invariants: a prompt is never empty and fits ``max_model_len`` with room for at least one token;
+``prompt + max_tokens <= max_model_len`` when the client set ``max_tokens`` (otherwise the
+request gets the rest of the context, capped by the configured default); token ids sent by the
+client are inside the vocabulary. Violations are 400s with OpenAI's wording and codes.
+"""
+
+from __future__ import annotations
+
+from engine.sampling import SamplingParams
+from router.codec import TextCodec
+from router.errors import bad_request, context_too_long
+from router.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+
+
+def completion_prompt(req: CompletionRequest, codec: TextCodec) -> tuple[int, ...]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        ids = codec.encode(prompt)
+    elif isinstance(prompt[0], str):
+        ids = codec.encode(str(prompt[0]))
+    else:
+        ids = [int(t) for t in prompt]
+        bad = next((t for t in ids if t >= codec.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary (size {codec.vocab_size})",
+                              param="prompt")
+    if not ids:
+        raise bad_request("the prompt encodes to no tokens", param="prompt")
+    return tuple(ids)
+
+
+def chat_prompt(req: ChatCompletionRequest, codec: TextCodec) -> tuple[int, ...]:
+    try:
+        ids = codec.encode_chat([m.to_template() for m in req.messages])
+    except ValueError as e:  # no chat template, or a template's raise_exception (bad role order)
+        raise bad_request(str(e), param="messages") from None
+    if not ids:
+        raise bad_request("the messages encode to no tokens", param="messages")
+    return tuple(ids)
+
+
+def sampling_for(
+    req: GenerationRequest,
+    prompt_len: int,
+    max_model_len: int,
+    default_max_tokens: int | None,
+    eos_token_ids: tuple[int, ...],
+    logprobs: bool,
+) -> SamplingParams:
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise context_too_long(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{prompt_len} tokens, which leaves no room for a completion. Please reduce the length of "
+            f"the prompt.")
+    requested = req.requested_max_tokens
+    if requested is None:
+        max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
+    elif requested > room:
+        raise context_too_long(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the "
+            f"completion). Please reduce the length of the prompt or completion.")
+    else:
+        max_tokens = requested
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop_token_ids=() if req.ignore_eos else eos_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+

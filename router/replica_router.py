@@ -1,0 +1,148 @@
+"""Serve's hook into our routing policies: a custom `RequestRouter` and the stats it routes by.
+
+Owns: `LoadAwareRequestRouter` (set as ``request_router_config.request_router_class`` on the prefill
+and decode deployments, it runs inside every process that holds a handle to them, i.e. the HTTP
+router replicas) and `with_routing_stats`, which gives a replica class the ``record_routing_stats``
+method Serve polls (it returns the replica's own ``load()`` report).
+
+How a request reaches a replica: Serve calls `choose_replicas` with the candidates its queue-length
+cache deems available and the pending request (whose first argument is our `PrefillRequest` or
+`DecodeRequest`). We build one `LoadReport` per candidate from its latest routing stats, correct it
+with the tokens this process has sent there and not yet seen complete (stats are up to one stats
+period old), ask the pure policy in `router.policy`, and return ranks: the choice alone, then the
+rest by load. Serve then sends to the first rank that accepts (max_ongoing_requests), backing off
+and retrying if none does.
+
+Invariants: the policy functions stay pure; this class holds only the in-flight token book
+(incremented when Serve confirms a request routed, decremented exactly once when it completes) and
+publishes every replica-info update to `router.loadboard` for `/metrics` and `/ready`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from decode_worker.types import DecodeRequest
+from prefill_worker.types import LoadReport, PrefillRequest
+from router import loadboard
+from router.policy import AffinityParams, choose, rank_replicas
+
+T = TypeVar("T")
+
+
+def request_tokens(pending_request: PendingRequest | None) -> Sequence[int] | None:
+    """The prompt of a pending ``prefill``/``generate`` call; None for ``load``/``ready``/others."""
+    if pending_request is None or not pending_request.args:
+        return None
+    first = pending_request.args[0]
+    if isinstance(first, (PrefillRequest, DecodeRequest)):
+        return first.prompt_token_ids
+    return None
+
+
+class LoadAwareRequestRouter(RequestRouter):
+    """Routes by `router.policy` over replica load reports (see the module docstring)."""
+
+    def initialize_state(
+        self,
+        policy: str = "least_outstanding_tokens",
+        block_size: int = 16,
+        max_prefix_blocks: int = 4,
+        imbalance_ratio: float = 2.0,
+        imbalance_tokens: int = 2048,
+        **_: Any,
+    ) -> None:
+        self._policy = policy
+        self._params = AffinityParams(
+            block_size=block_size,
+            max_prefix_blocks=max_prefix_blocks,
+            imbalance_ratio=imbalance_ratio,
+            imbalance_tokens=imbalance_tokens,
+        )
+        self._lock = threading.Lock()
+        self._inflight: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
+        self._inflight_tokens: dict[str, int] = {}  # replica -> tokens
+
+    def _report(self, replica: RunningReplica) -> LoadReport:
+        rid = replica.replica_id.unique_id
+        report = loadboard.stats_to_report(rid, replica.routing_stats or {})
+        with self._lock:
+            local = self._inflight_tokens.get(rid, 0)
+        if local > report.outstanding_tokens:
+            # Our own sends are fresher than a stats poll; with one router process they are the truth.
+            report = LoadReport(**{**loadboard.report_to_stats(report), "outstanding_tokens": local})
+        return report
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        reports = [self._report(r) for r in candidate_replicas]
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        first = choose(self._policy, request_tokens(pending_request), reports, self._params)
+        return [[by_id[rid] for rid in rank] for rank in rank_replicas(first, reports)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        tokens = request_tokens(pending_request)
+        if tokens is None:
+            return
+        rid, n = replica_id.unique_id, len(tokens)
+        with self._lock:
+            old = self._inflight.pop(pending_request.metadata.internal_request_id, None)
+            if old is not None:
+                self._sub(*old)
+            self._inflight[pending_request.metadata.internal_request_id] = (rid, n)
+            self._inflight_tokens[rid] = self._inflight_tokens.get(rid, 0) + n
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        with self._lock:
+            old = self._inflight.pop(internal_request_id, None)
+            if old is not None:
+                self._sub(*old)
+
+    def _sub(self, rid: str, n: int) -> None:
+        left = self._inflight_tokens.get(rid, 0) - n
+        if left > 0:
+            self._inflight_tokens[rid] = left
+        else:
+            self._inflight_tokens.pop(rid, None)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        loadboard.publish(
+            self._deployment_id.name,
+            {r.replica_id.unique_id: loadboard.stats_to_report(r.replica_id.unique_id, r.routing_stats or {})
+             for r in replicas},
+        )
+
+
+def with_routing_stats(cls: type[T]) -> type[T]:
+    """A subclass of a replica class whose ``record_routing_stats`` returns its ``load()`` report.
+
+    The subclass is built at run time (so cloudpickle ships it by value, with the base class by
+    reference); the base class must define ``async def load(self) -> LoadReport``.
+    """
+
+    async def record_routing_stats(self: Any) -> Mapping[str, Any]:
+        return loadboard.report_to_stats(await self.load())
+
+    namespace = {"record_routing_stats": record_routing_stats, "__doc__": cls.__doc__}
+    return type(cls.__name__, (cls,), namespace)
+
+
+def router_config_kwargs(policy: str, params: AffinityParams) -> dict[str, Any]:
+    """``request_router_kwargs`` for `LoadAwareRequestRouter.initialize_state` (JSON-able values)."""
+    return {
+        "policy": policy,
+        "block_size": params.block_size,
+        "max_prefix_blocks": params.max_prefix_blocks,
+        "imbalance_ratio": params.imbalance_ratio,
+        "imbalance_tokens": params.imbalance_tokens,
+    }

@@ -1,0 +1,185 @@
+"""Fake prefill/decode replicas and a fake tokenizer, implementing the replica interface exactly.
+
+The "model" is deterministic: after token t comes ``successor(t)`` (printable ASCII, wrapping), so
+a test knows every completion in advance. The tokenizer is one token per character (ids are code
+points below 256; id 0 is EOS). Prompts steer the fakes with magic words:
+
+- ``QUEUEFULL``: the first pool raises `QueueFullError(retry_after_s=3)`;
+- ``CRASH1``: the prefill replica's process exits the first time (a marker file remembers);
+- ``MIDERR``: the decode stream sends two events, then an error event;
+- ``EOSAT<k>``: the k-th generated token is EOS (finish "stop");
+- ``SLOW``: 30 ms per decode event (for disconnect tests); otherwise 1 ms.
+
+Decode replicas record every request whose stream was cancelled (`cancelled()`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
+from engine.errors import QueueFullError
+from kv_transfer.handle import KVHandle
+from kv_transfer.layout import KVLayout
+from prefill_worker.types import LoadReport, PrefillRequest, PrefillResult, PrefillTimings
+from router.config import RouterConfig
+
+EOS = 0
+LOGPROB = -0.25
+
+
+def successor(t: int) -> int:
+    return 32 + ((t - 32 + 1) % 95) if 32 <= t < 127 else 97
+
+
+def expected_tokens(prompt_ids: Sequence[int], n: int) -> list[int]:
+    out, t = [], prompt_ids[-1]
+    for _ in range(n):
+        t = successor(t)
+        out.append(t)
+    return out
+
+
+def expected_text(prompt: str, n: int) -> str:
+    return "".join(chr(t) for t in expected_tokens([ord(c) for c in prompt], n))
+
+
+class FakeDetokenizer:
+    def push(self, token_id: int) -> str:
+        return chr(token_id)
+
+    def flush(self) -> str:
+        return ""
+
+
+class FakeCodec:
+    eos_token_ids = (EOS,)
+    vocab_size = 256
+    max_model_len = None
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) if ord(c) < 256 else ord("?") for c in text]
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if any(m["role"] == "assistant" and m["content"] == "RAISE" for m in messages):
+            raise ValueError("Conversation roles must alternate")
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
+    def token_text(self, token_id: int) -> str:
+        return chr(token_id)
+
+    def detokenizer(self) -> FakeDetokenizer:
+        return FakeDetokenizer()
+
+
+def fake_codec(_: RouterConfig) -> FakeCodec:
+    return FakeCodec()
+
+
+def chat_prompt_ids(messages: Sequence[dict[str, str]]) -> list[int]:
+    return FakeCodec().encode_chat(messages)
+
+
+def _text(ids: Sequence[int]) -> str:
+    return "".join(chr(i) for i in ids if i < 256)
+
+
+LAYOUT = KVLayout(arch="llama", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=16)
+
+
+@dataclass(frozen=True)
+class FakeConfig:
+    marker_dir: str = "/tmp"
+    role: str = "prefill"
+
+
+class FakePrefill:
+    def __init__(self, config: object) -> None:
+        self._marker = Path(getattr(config, "marker_dir", "/tmp")) / "pdserve-fake-crash1"
+        self._running = 0
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        text = _text(req.prompt_token_ids)
+        if "QUEUEFULL" in text:
+            raise QueueFullError("prefill queue full", retry_after_s=3.0)
+        if "CRASH1" in text and not self._marker.exists():
+            self._marker.write_text("crashed")
+            os._exit(1)
+        self._running += 1
+        try:
+            await asyncio.sleep(0.002)
+        finally:
+            self._running -= 1
+        token = successor(req.prompt_token_ids[-1])
+        finished = req.sampling.max_tokens == 1
+        handle = None if finished else KVHandle(
+            transfer_id=req.request_id, source_host="127.0.0.1", source_port=9,
+            n_tokens=len(req.prompt_token_ids), layout=LAYOUT, expires_at=time.time() + 30)
+        return PrefillResult(request_id=req.request_id, token_id=token, logprob=LOGPROB, handle=handle,
+                             finished=finished, finish_reason="length" if finished else None,
+                             timings=PrefillTimings(queue_s=0.001, prefill_s=0.002))
+
+    async def load(self) -> LoadReport:
+        return LoadReport(replica_id=f"fake-prefill-{os.getpid()}", role="prefill", num_waiting=0,
+                          num_running=self._running, outstanding_tokens=0, kv_blocks_free=100,
+                          kv_blocks_total=128)
+
+    async def ready(self) -> bool:
+        return True
+
+
+class FakeDecode:
+    def __init__(self, config: object) -> None:
+        self._cancelled: list[str] = []
+        self._running = 0
+
+    async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
+        text = _text(req.prompt_token_ids)
+        colocated = req.first_token_id is None
+        if colocated and "QUEUEFULL" in text:
+            raise QueueFullError("decode queue full", retry_after_s=3.0)
+        m = re.search(r"EOSAT(\d+)", text)
+        eos_at = int(m.group(1)) if m else None
+        delay = 0.03 if "SLOW" in text else 0.001
+        n_max = req.sampling.max_tokens
+        t = req.prompt_token_ids[-1] if colocated else req.first_token_id
+        assert t is not None
+        produced = 0 if colocated else 1
+        self._running += 1
+        try:
+            while produced < n_max:
+                await asyncio.sleep(delay)
+                if "MIDERR" in text and produced >= 3:
+                    yield TokenEvent(request_id=req.request_id, token_ids=(), finish_reason="error",
+                                     error="fake decode failure")
+                    return
+                produced += 1
+                t = EOS if eos_at is not None and produced == eos_at else successor(t)
+                finish = "stop" if t == EOS else ("length" if produced == n_max else None)
+                timings = DecodeTimings(queue_s=0.001, transfer_s=0.001, prefill_s=0.002) if finish else None
+                yield TokenEvent(request_id=req.request_id, token_ids=(t,), logprobs=(LOGPROB,),
+                                 finish_reason=finish, timings=timings)
+                if finish:
+                    return
+        except asyncio.CancelledError:
+            self._cancelled.append(req.request_id)
+            raise
+        finally:
+            self._running -= 1
+
+    async def cancelled(self) -> list[str]:
+        return list(self._cancelled)
+
+    async def load(self) -> LoadReport:
+        return LoadReport(replica_id=f"fake-decode-{os.getpid()}", role="decode", num_waiting=0,
+                          num_running=self._running, outstanding_tokens=0, kv_blocks_free=90,
+                          kv_blocks_total=128)
+
+    async def ready(self) -> bool:
+        return True

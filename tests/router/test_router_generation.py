@@ -1,0 +1,180 @@
+"""`Generation` over in-process stand-ins for Serve handles (no Ray): the request pipeline itself."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_text
+from ray.exceptions import ActorDiedError
+
+from engine.sampling import SamplingParams
+from router.backends import Backends
+from router.errors import APIError
+from router.generation import Delta, Generation, GenerationInput, StreamError
+from router.metrics import RouterMetrics
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Response:
+    def __init__(self, aw: Awaitable[Any]) -> None:
+        self._task = asyncio.ensure_future(aw)
+
+    def __await__(self) -> Any:
+        return self._task.__await__()
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+
+class _Stream:
+    def __init__(self, agen: Any, calls: list[str]) -> None:
+        self._agen, self._calls = agen, calls
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self._agen.__anext__()
+
+    def cancel(self) -> None:  # what Serve does: CancelledError inside the replica's generator
+        self._calls.append("cancel")
+
+        async def _throw() -> None:
+            try:
+                await self._agen.athrow(asyncio.CancelledError())
+            except (asyncio.CancelledError, StopAsyncIteration):
+                pass
+
+        self._thrower = asyncio.ensure_future(_throw())
+
+
+class _Method:
+    def __init__(self, fn: Callable[..., Any], stream: bool, calls: list[str]) -> None:
+        self._fn, self._stream, self._calls = fn, stream, calls
+
+    def remote(self, *args: Any) -> Any:
+        self._calls.append(self._fn.__name__)
+        if self._stream:
+            return _Stream(self._fn(*args), self._calls)
+        return _Response(self._fn(*args))
+
+
+class FakeHandle:
+    def __init__(self, target: Any, stream: bool = False, calls: list[str] | None = None) -> None:
+        self._target, self._s, self.calls = target, stream, calls if calls is not None else []
+
+    def options(self, stream: bool = False) -> FakeHandle:
+        return FakeHandle(self._target, stream, self.calls)
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self._target, name), self._s, self.calls)
+
+
+class FlakyPrefill(FakePrefill):
+    def __init__(self, failures: int) -> None:
+        super().__init__(None)
+        self.failures = failures
+
+    async def prefill(self, req: Any) -> Any:
+        if self.failures > 0:
+            self.failures -= 1
+            raise ActorDiedError()
+        return await super().prefill(req)
+
+
+def setup(prefill: Any = "default", token_timeout_s: float = 5.0) -> tuple[Generation, FakeDecode, FakeHandle,
+                                                                              RouterMetrics]:
+    decode = FakeDecode(None)
+    p = FakePrefill(None) if prefill == "default" else prefill
+    dh = FakeHandle(decode)
+    backends = Backends(FakeHandle(p) if p is not None else None, dh, 5.0, token_timeout_s, 1.0)
+    metrics = RouterMetrics()
+    return Generation(backends, FakeCodec(), metrics), decode, dh, metrics
+
+
+def inp(prompt: str, max_tokens: int = 8, stops: tuple[str, ...] = (), rid: str = "r1") -> GenerationInput:
+    return GenerationInput(request_id=rid, prompt_token_ids=tuple(ord(c) for c in prompt),
+                           sampling=SamplingParams(max_tokens=max_tokens, stop_token_ids=(0,)),
+                           stop_strings=stops)
+
+
+async def collect(gen: Generation, i: GenerationInput) -> list[Delta]:
+    return [d async for d in gen.stream(i)]
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+async def test_tokens_text_and_finish(colocated: bool) -> None:
+    gen, _, _dh, metrics = setup(None if colocated else "default")
+    deltas = await collect(gen, inp("abc", 6))
+    assert "".join(d.text for d in deltas) == expected_text("abc", 6) == "defghi"
+    assert sum(len(d.token_ids) for d in deltas) == 6
+    assert [d.finish_reason for d in deltas] == [None] * 5 + ["length"]
+    assert deltas[0].token_ids == (ord("d"),)
+    assert metrics.registry.get_sample_value("pdserve:generation_tokens_total") == 6
+    ok = metrics.registry.get_sample_value("pdserve:request_success_total", {"finish_reason": "length"})
+    assert ok == 1
+    assert metrics.registry.get_sample_value("pdserve:time_to_first_token_seconds_count") == 1
+
+
+async def test_finished_by_token_zero_never_decodes() -> None:
+    gen, _, dh, _ = setup()
+    deltas = await collect(gen, inp("abc", 1))
+    assert [(d.text, d.finish_reason) for d in deltas] == [("d", "length")]
+    assert dh.calls == []
+
+
+async def test_stop_string_is_not_emitted_and_cancels_decode() -> None:
+    gen, decode, dh, _ = setup()
+    deltas = await collect(gen, inp("abc", 20, stops=("gh",)))
+    assert "".join(d.text for d in deltas) == "def"
+    assert deltas[-1].finish_reason == "stop"
+    assert sum(len(d.token_ids) for d in deltas) == 5  # d e f g h: up to the token completing the stop
+    await asyncio.sleep(0.05)
+    assert "cancel" in dh.calls and await decode.cancelled() == ["r1"]
+
+
+async def test_eos_ends_with_stop_and_no_text() -> None:
+    gen, _, _, _ = setup()
+    deltas = await collect(gen, inp("EOSAT3", 20))
+    assert "".join(d.text for d in deltas) == "45"
+    assert deltas[-1].finish_reason == "stop" and sum(len(d.token_ids) for d in deltas) == 3
+
+
+async def test_error_event_raises_after_some_tokens() -> None:
+    gen, _, _, _ = setup()
+    got: list[Delta] = []
+    with pytest.raises(StreamError, match="fake decode failure"):
+        async for d in gen.stream(inp("MIDERR", 20)):
+            got.append(d)
+    assert len(got) == 3
+
+
+async def test_prefill_retried_once_on_replica_death() -> None:
+    flaky = FlakyPrefill(failures=1)
+    gen, _, _, _ = setup(flaky)
+    assert len(await collect(gen, inp("abc", 3))) == 3
+    gen, _, _, _ = setup(FlakyPrefill(failures=2))
+    with pytest.raises(APIError) as e:
+        await collect(gen, inp("abc", 3))
+    assert e.value.status == 503
+
+
+async def test_consumer_leaving_cancels_the_decode_stream() -> None:
+    gen, decode, dh, _ = setup()
+    stream = gen.stream(inp("SLOW", 100))
+    async for d in stream:
+        if d.finish_reason is None and len(dh.calls) > 0:
+            break
+    await stream.aclose()
+    await asyncio.sleep(0.1)
+    assert await decode.cancelled() == ["r1"]
+
+
+async def test_token_timeout_is_a_stream_error() -> None:
+    gen, _, _, _ = setup(token_timeout_s=0.005)
+    with pytest.raises(StreamError, match="no token"):
+        await collect(gen, inp("SLOW", 10))
