@@ -1,0 +1,78 @@
+"""How a decode worker gets a sequence's prompt KV into its reserved blocks.
+
+Owns: the `KVImporter` protocol the decode worker depends on, and `InProcessImporter`, which
+copies straight out of a prefill worker's outbox in the same process (tests, single-process runs).
+The network importer (`kv_transfer` pull over gloo or NCCL) lives in `decode_worker.remote`.
+
+Invariants: ``pull`` either fills exactly the blocks covering ``handle.n_tokens`` and tells the
+source it is DONE (the source frees its blocks), or raises and leaves the source able to free them
+(RELEASE or lease expiry); it never writes outside ``block_ids``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from engine.kv_cache import KVCache
+from kv_transfer.errors import TransferRefused
+from kv_transfer.handle import KVHandle
+
+if TYPE_CHECKING:
+    from prefill_worker.worker import PrefillWorker
+
+
+@dataclass(frozen=True)
+class ImportStats:
+    bytes: int
+    seconds: float
+
+
+class KVImporter(Protocol):
+    async def pull(self, handle: KVHandle, cache: KVCache, block_ids: list[int]) -> ImportStats: ...
+
+    async def release(self, handle: KVHandle) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class InProcessImporter:
+    """Copies from prefill workers living in this process, found by their advertised address."""
+
+    def __init__(self) -> None:
+        self.sources: dict[tuple[str, int], PrefillWorker] = {}
+
+    def register(self, worker: PrefillWorker) -> None:
+        self.sources[worker.source] = worker
+
+    def _source(self, handle: KVHandle) -> PrefillWorker:
+        src = self.sources.get((handle.source_host, handle.source_port))
+        if src is None:
+            raise TransferRefused(f"unknown KV source {handle.source_host}:{handle.source_port}")
+        return src
+
+    async def pull(self, handle: KVHandle, cache: KVCache, block_ids: list[int]) -> ImportStats:
+        t0 = time.perf_counter()
+        src = self._source(handle)
+        src.layout.check_compatible(handle.layout)
+        n_blocks = (handle.n_tokens + handle.layout.block_size - 1) // handle.layout.block_size
+        if len(block_ids) < n_blocks:
+            raise TransferRefused(f"destination reserved {len(block_ids)} blocks, the KV needs {n_blocks}")
+        entry = src.outbox.take_for_transfer(handle.transfer_id)
+        try:
+            data = src.engine.cache.gather_blocks(list(entry.block_ids[:n_blocks]))
+            cache.scatter_blocks(block_ids[:n_blocks], data)
+        except BaseException:
+            src.outbox.release(handle.transfer_id)
+            raise
+        src.outbox.done(handle.transfer_id)
+        return ImportStats(bytes=data.numel() * data.element_size(), seconds=time.perf_counter() - t0)
+
+    async def release(self, handle: KVHandle) -> None:
+        src = self.sources.get((handle.source_host, handle.source_port))
+        if src is not None:
+            src.outbox.release(handle.transfer_id)
+
+    async def close(self) -> None:
+        self.sources.clear()

@@ -1,0 +1,79 @@
+"""One request's state inside a decode worker: its event queue, sampler and generated tokens.
+
+Invariants: events are pushed only from the worker's event loop; ``close`` is called exactly once
+and pushes the stream's final event (the one with a ``finish_reason``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
+from engine.sampling import SamplerState
+
+
+@dataclass(eq=False)
+class Stream:
+    req: DecodeRequest
+    sampler: SamplerState
+    events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    generated: list[int] = field(default_factory=list)  # token 0 included
+    next_token: int | None = None  # fed at the next decode step (its KV is not cached yet)
+    prefilled: int = 0  # colocated: prompt tokens whose KV is written
+    pull_task: asyncio.Task[None] | None = None
+    aborted: bool = False
+    closed: bool = False
+    enqueued: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    decode_started: float | None = None
+    transfer_s: float = 0.0
+    transfer_bytes: int = 0
+    prefill_s: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    def timings(self) -> DecodeTimings:
+        now = time.monotonic()
+        return DecodeTimings(
+            queue_s=(self.admitted_at or now) - self.enqueued,
+            transfer_s=self.transfer_s,
+            transfer_bytes=self.transfer_bytes,
+            prefill_s=self.prefill_s,
+            decode_s=now - self.decode_started if self.decode_started else 0.0,
+        )
+
+    def push(self, token_id: int, logprob: float, finish_reason: str | None = None) -> None:
+        """Emit one token; with a ``finish_reason`` it is the final event."""
+        if self.closed:
+            return
+        lps = (logprob,) if self.req.sampling.logprobs else None
+        if finish_reason is not None:
+            self.closed = True
+        self.events.put_nowait(
+            TokenEvent(
+                request_id=self.request_id,
+                token_ids=(token_id,),
+                logprobs=lps,
+                finish_reason=finish_reason,
+                timings=self.timings() if finish_reason else None,
+            )
+        )
+
+    def close(self, finish_reason: str, error: str | None = None) -> None:
+        """End the stream with no further token (abort or error)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.events.put_nowait(
+            TokenEvent(
+                request_id=self.request_id,
+                token_ids=(),
+                finish_reason=finish_reason,
+                error=error,
+                timings=self.timings(),
+            )
+        )

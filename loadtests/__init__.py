@@ -1,0 +1,1 @@
+"""Load tests (locust) and benchmarks that write JSON + PNG under results/."""

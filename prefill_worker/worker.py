@@ -1,0 +1,243 @@
+"""`PrefillWorker`: prompts in, token 0 and a KV handle out.
+
+Life cycle of a request (each name is a queue or a state in this file):
+
+1. ``prefill(req)`` checks the length and the queue bound, then appends a `_Job` to ``waiting``.
+2. The step loop takes jobs from ``waiting`` in FIFO order. On admission a job matches its prompt
+   against the prefix cache (``pool.match_prefix``) and reserves blocks for the rest of the prompt;
+   a job that does not fit waits at the head (blocks come back as the outbox drains) — FIFO, so a
+   long prompt is never overtaken forever.
+3. Each step packs chunks of the admitted jobs into one forward under ``max_batch_tokens``: a prompt
+   longer than the budget is prefilled over several steps (chunked prefill), several short prompts
+   share one forward.
+4. After its last chunk a job samples token 0, registers its full blocks in the prefix cache, and
+   its blocks move to the **outbox** under a lease; the caller gets a `PrefillResult` with a
+   `KVHandle`. If token 0 already ends the request (EOS, a stop id, ``max_tokens == 1``) the blocks
+   are freed at once and the result has no handle.
+5. The decode side pulls the blocks and sends DONE (or RELEASE); the outbox frees them then, or
+   when the lease expires.
+
+Invariants: the model runs only in the step loop (one forward at a time, in a worker thread, so the
+event loop keeps serving); every block a job holds is freed exactly once — by the outbox, or here
+on failure or cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.engine import Engine
+from engine.errors import QueueFullError
+from engine.generate import is_stop
+from engine.runner import PrefillChunk
+from engine.sampling import SamplerState, sample
+from kv_transfer.handle import KVHandle
+from kv_transfer.layout import KVLayout
+from kv_transfer.outbox import Outbox
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.types import LoadReport, PrefillRequest, PrefillResult, PrefillTimings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    req: PrefillRequest
+    future: asyncio.Future[PrefillResult]
+    enqueued: float
+    blocks: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    computed: int = 0  # prompt tokens whose KV is written (cached prefix included)
+    started: float | None = None
+    num_chunks: int = 0
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.req.prompt_token_ids
+
+    @property
+    def remaining(self) -> int:
+        return len(self.prompt) - self.computed
+
+
+class PrefillWorker:
+    """Token-budget batching + chunked prefill + prefix reuse, over one `Engine`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: PrefillWorkerConfig,
+        outbox: Outbox,
+        source: tuple[str, int],
+        eos_token_ids: Sequence[int] = (),
+        replica_id: str = "prefill",
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.outbox = outbox
+        self.source = source
+        self.eos_ids = tuple(eos_token_ids)
+        self.replica_id = replica_id
+        self.layout = KVLayout.from_model(engine.model_config, engine.config.dtype, engine.block_size)
+        self.waiting: deque[_Job] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.num_prefilled = 0
+
+    # -- public API ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name=f"{self.replica_id}-step-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        while self.waiting:
+            job = self.waiting.popleft()
+            self._fail(job, RuntimeError("prefill worker stopped"))
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        self.engine.check_length(len(req.prompt_token_ids), req.sampling.max_tokens)
+        needed = self.engine.blocks_for(len(req.prompt_token_ids))
+        if needed > self.engine.pool.num_blocks:
+            raise ValueError(
+                f"prompt of {len(req.prompt_token_ids)} tokens needs {needed} KV blocks; this prefill "
+                f"replica has {self.engine.pool.num_blocks}"
+            )
+        if len(self.waiting) >= self.config.max_queue:
+            raise QueueFullError(f"prefill queue is full ({self.config.max_queue} waiting)", 1.0)
+        job = _Job(req=req, future=asyncio.get_running_loop().create_future(), enqueued=time.monotonic())
+        self.waiting.append(job)
+        self._wake.set()
+        try:
+            return await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            job.future.cancel()  # the step loop frees the job's blocks when it sees this
+            raise
+
+    def load_report(self) -> LoadReport:
+        pool = self.engine.pool
+        return LoadReport(
+            replica_id=self.replica_id,
+            role="prefill",
+            num_waiting=sum(1 for j in self.waiting if j.started is None),
+            num_running=sum(1 for j in self.waiting if j.started is not None),
+            outstanding_tokens=sum(j.remaining for j in self.waiting),
+            kv_blocks_free=pool.num_free_blocks,
+            kv_blocks_total=pool.num_blocks,
+        )
+
+    # -- step loop ------------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            self.outbox.expire()
+            self._drop_cancelled()
+            chunks, jobs = self._plan()
+            if not chunks:
+                self._wake.clear()
+                # Wake on a new request, or poll: blocks come back as the outbox drains.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.05 if self.waiting else 1.0)
+                continue
+            try:
+                logits = await asyncio.to_thread(self.engine.runner.prefill, chunks)
+            except Exception as e:  # a failed forward fails its jobs, never the worker
+                log.exception("prefill forward failed")
+                for job in jobs:
+                    self._remove(job)
+                    self._fail(job, e)
+                continue
+            for row, (job, chunk) in enumerate(zip(jobs, chunks, strict=True)):
+                job.computed += len(chunk.token_ids)
+                if job.remaining == 0:
+                    self._remove(job)
+                    self._finish(job, logits[row : row + 1])
+
+    def _plan(self) -> tuple[list[PrefillChunk], list[_Job]]:
+        """Pick this step's chunks: FIFO over ``waiting``, admitting as blocks allow, within the budget."""
+        budget = self.config.max_batch_tokens
+        chunks: list[PrefillChunk] = []
+        jobs: list[_Job] = []
+        pool = self.engine.pool
+        for job in self.waiting:
+            if budget <= 0:
+                break
+            if not job.blocks:
+                hit = pool.match_prefix(job.prompt[:-1]) if self.engine.config.enable_prefix_cache else []
+                need = self.engine.blocks_for(len(job.prompt)) - len(hit)
+                if not pool.can_allocate(need):
+                    pool.free(hit)
+                    break  # FIFO: the head waits for blocks, nobody overtakes it
+                job.blocks = hit + pool.allocate(need)
+                job.num_cached = job.computed = len(hit) * self.engine.block_size
+                job.started = time.monotonic()
+            n = min(job.remaining, budget)
+            chunks.append(PrefillChunk(job.prompt[job.computed : job.computed + n], job.computed, job.blocks))
+            jobs.append(job)
+            job.num_chunks += 1
+            budget -= n
+        return chunks, jobs
+
+    def _finish(self, job: _Job, logits_row: object) -> None:
+        req = job.req
+        state = SamplerState.new(req.sampling)
+        ids, lps = sample(logits_row, [state])  # type: ignore[arg-type]
+        token, logprob = ids[0], lps[0]
+        pool = self.engine.pool
+        pool.commit_full_blocks(job.blocks, job.prompt)
+        timings = PrefillTimings(
+            queue_s=(job.started or job.enqueued) - job.enqueued,
+            prefill_s=time.monotonic() - (job.started or job.enqueued),
+            num_chunks=job.num_chunks,
+        )
+        self.num_prefilled += 1
+        stop = is_stop(token, req.sampling, self.eos_ids)
+        if stop or req.sampling.max_tokens == 1 or job.future.done():  # done: the caller gave up
+            pool.free(job.blocks)
+            result = PrefillResult(
+                request_id=req.request_id, token_id=token, logprob=logprob, handle=None, finished=True,
+                finish_reason="stop" if stop else "length", num_cached_tokens=job.num_cached, timings=timings,
+            )
+        else:
+            transfer_id = f"{req.request_id}-{uuid.uuid4().hex[:12]}"
+            expires_mono = self.outbox.put(transfer_id, job.blocks, len(job.prompt))
+            expires_at = time.time() + (expires_mono - time.monotonic())  # handles carry wall time
+            handle = KVHandle(
+                transfer_id=transfer_id, source_host=self.source[0], source_port=self.source[1],
+                n_tokens=len(job.prompt), layout=self.layout, expires_at=expires_at,
+            )
+            result = PrefillResult(
+                request_id=req.request_id, token_id=token, logprob=logprob, handle=handle,
+                num_cached_tokens=job.num_cached, timings=timings,
+            )
+        if not job.future.done():
+            job.future.set_result(result)
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self.waiting if j.future.cancelled()]:
+            self._remove(job)
+            if job.blocks:
+                self.engine.pool.free(job.blocks)
+
+    def _remove(self, job: _Job) -> None:
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(job)
+
+    def _fail(self, job: _Job, exc: BaseException) -> None:
+        if job.blocks:
+            self.engine.pool.free(job.blocks)
+            job.blocks = []
+        if not job.future.done():
+            job.future.set_exception(exc)

@@ -1,0 +1,115 @@
+"""Shared fixtures: one tiny random Llama on disk, engines over it, and in-process worker pairs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.importer import InProcessImporter
+from decode_worker.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.generate import generate
+from engine.sampling import SamplingParams
+from kv_transfer.outbox import Outbox
+from prefill_worker.config import KVTransferConfig, PrefillWorkerConfig
+from prefill_worker.types import PrefillRequest
+from prefill_worker.worker import PrefillWorker
+from tests.tiny_models import make_tiny
+
+EOS = 2
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny("llama", tmp_path_factory.mktemp("tiny-llama"), seed=3)
+
+
+@pytest.fixture(scope="session")
+def ref_engine(tiny_path: Path) -> Engine:
+    return Engine.from_dir(tiny_path, EngineConfig(num_blocks=64, block_size=16))
+
+
+def reference(eng: Engine, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+    return generate(eng, prompt, params, eos_token_ids=(EOS,)).token_ids
+
+
+def random_prompt(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(3, 256) for _ in range(n))
+
+
+@dataclass
+class PD:
+    prefill: PrefillWorker
+    decode: DecodeWorker
+    outbox: Outbox
+
+    async def run(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], str]:
+        res = await self.prefill.prefill(PrefillRequest(req_id, tuple(prompt), params))
+        tokens = [res.token_id]
+        if res.finished:
+            assert res.handle is None
+            return tokens, str(res.finish_reason)
+        from decode_worker.types import DecodeRequest
+
+        assert res.handle is not None
+        reason = ""
+        req = DecodeRequest(req_id, tuple(prompt), params, first_token_id=res.token_id, handle=res.handle)
+        async for ev in self.decode.generate(req):
+            tokens.extend(ev.token_ids)
+            reason = ev.finish_reason or reason
+        return tokens, reason
+
+
+def make_pd(
+    path: Path,
+    prefill_blocks: int = 256,
+    decode_blocks: int = 256,
+    max_batch_tokens: int = 256,
+    max_num_seqs: int = 64,
+    lease_s: float = 30.0,
+) -> PD:
+    pe = Engine.from_dir(path, EngineConfig(num_blocks=prefill_blocks, block_size=16))
+    de = Engine.from_dir(
+        path,
+        EngineConfig(num_blocks=decode_blocks, block_size=16, max_num_seqs=max_num_seqs, enable_prefix_cache=False),
+    )
+    outbox = Outbox(pe.pool.free, default_lease_s=lease_s)
+    pw = PrefillWorker(
+        pe, PrefillWorkerConfig(max_batch_tokens=max_batch_tokens, kv=KVTransferConfig(lease_s=lease_s)),
+        outbox, source=("inproc", 1), eos_token_ids=(EOS,),
+    )
+    imp = InProcessImporter()
+    imp.register(pw)
+    dw = DecodeWorker(de, DecodeWorkerConfig(), importer=imp, eos_token_ids=(EOS,))
+    return PD(pw, dw, outbox)
+
+
+def make_colocated(path: Path, chunk: int, blocks: int = 256) -> DecodeWorker:
+    eng = Engine.from_dir(path, EngineConfig(num_blocks=blocks, block_size=16, enable_prefix_cache=False))
+    return DecodeWorker(eng, DecodeWorkerConfig(mode="colocated", prefill_chunk_size=chunk), eos_token_ids=(EOS,))
+
+
+async def collect(worker: DecodeWorker, req) -> tuple[list[int], str, str | None]:
+    tokens: list[int] = []
+    reason, error = "", None
+    async for ev in worker.generate(req):
+        tokens.extend(ev.token_ids)
+        reason = ev.finish_reason or reason
+        error = ev.error or error
+    return tokens, reason, error
+
+
+async def wait_until(pred, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        if loop.time() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)

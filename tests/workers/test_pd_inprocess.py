@@ -1,0 +1,191 @@
+"""Prefill worker → decode worker in one process: every greedy output equals the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from decode_worker.types import DecodeRequest
+from engine.errors import ContextLengthError
+from engine.sampling import SamplingParams
+from kv_transfer.errors import TransferError
+from prefill_worker.types import PrefillRequest
+from tests.workers.conftest import (
+    EOS,
+    collect,
+    make_colocated,
+    make_pd,
+    random_prompt,
+    reference,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def workload(seed: int, n: int = 24) -> list[tuple[float, tuple[int, ...], int]]:
+    rng = random.Random(seed)
+    return [
+        (rng.uniform(0, 0.6), random_prompt(rng, rng.randint(5, 600)), rng.randint(1, 64)) for _ in range(n)
+    ]
+
+
+async def test_disaggregated_matches_reference(tiny_path, ref_engine) -> None:
+    pd = make_pd(tiny_path, max_batch_tokens=256)
+    await pd.prefill.start()
+    await pd.decode.start()
+    jobs = workload(1)
+
+    async def one(i: int, delay: float, prompt: tuple[int, ...], k: int) -> tuple[list[int], str]:
+        await asyncio.sleep(delay)
+        return await pd.run(f"r{i}", prompt, SamplingParams(max_tokens=k, ignore_eos=True))
+
+    try:
+        outs = await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))
+        for (_, prompt, k), (tokens, reason) in zip(jobs, outs, strict=True):
+            assert tokens == reference(ref_engine, prompt, SamplingParams(max_tokens=k, ignore_eos=True))
+            assert reason == "length"
+        await wait_until(pd.decode.is_idle)
+        assert pd.outbox.pending() == 0
+        for pool in (pd.prefill.engine.pool, pd.decode.engine.pool):
+            pool.check_integrity()
+            assert pool.num_free_blocks == pool.num_blocks
+        assert pd.prefill.engine.pool.num_used_blocks == 0
+    finally:
+        await pd.decode.stop()
+        await pd.prefill.stop()
+
+
+@pytest.mark.parametrize("chunk", [0, 64])
+async def test_colocated_matches_reference(tiny_path, ref_engine, chunk: int) -> None:
+    worker = make_colocated(tiny_path, chunk)
+    await worker.start()
+    jobs = workload(2)
+
+    async def one(i: int, delay: float, prompt: tuple[int, ...], k: int) -> list[int]:
+        await asyncio.sleep(delay)
+        tokens, reason, _ = await collect(
+            worker, DecodeRequest(f"c{i}", prompt, SamplingParams(max_tokens=k, ignore_eos=True))
+        )
+        assert reason == "length"
+        return tokens
+
+    try:
+        outs = await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))
+        for (_, prompt, k), tokens in zip(jobs, outs, strict=True):
+            assert tokens == reference(ref_engine, prompt, SamplingParams(max_tokens=k, ignore_eos=True))
+        await wait_until(worker.is_idle)
+        worker.engine.pool.check_integrity()
+        assert worker.engine.pool.num_free_blocks == worker.engine.pool.num_blocks
+    finally:
+        await worker.stop()
+
+
+async def test_eos_stop_ids_and_max_tokens(tiny_path, ref_engine) -> None:
+    pd = make_pd(tiny_path)
+    await pd.prefill.start()
+    await pd.decode.start()
+    try:
+        prompt = random_prompt(random.Random(5), 40)
+        free_run = reference(ref_engine, prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+        # A stop id: the stream ends on the first occurrence of a token the free run produces.
+        stop_tok = free_run[7]
+        first = free_run.index(stop_tok)
+        tokens, reason = await pd.run("s1", prompt, SamplingParams(max_tokens=30, stop_token_ids=(stop_tok,)))
+        assert tokens == free_run[: first + 1] and reason == "stop"
+        # EOS (unless ignore_eos) ends streams the same way: make EOS the stop via eos ids.
+        pd.decode.eos_ids = pd.prefill.eos_ids = (stop_tok,)
+        tokens, reason = await pd.run("s2", prompt, SamplingParams(max_tokens=30))
+        assert tokens == free_run[: first + 1] and reason == "stop"
+        tokens, reason = await pd.run("s3", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+        assert tokens == free_run and reason == "length"
+        pd.decode.eos_ids = pd.prefill.eos_ids = (EOS,)
+        tokens, reason = await pd.run("s4", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        assert tokens == free_run[:1] and reason == "length"
+        tokens, reason = await pd.run("s5", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+        assert tokens == free_run[:5] and reason == "length"
+    finally:
+        await pd.decode.stop()
+        await pd.prefill.stop()
+
+
+async def test_prompt_over_context_is_refused(tiny_path) -> None:
+    pd = make_pd(tiny_path)
+    with pytest.raises(ContextLengthError, match="maximum context length is 1024"):
+        await pd.prefill.prefill(PrefillRequest("x", tuple(range(3, 1003)), SamplingParams(max_tokens=100)))
+    worker = make_colocated(tiny_path, 0)
+    with pytest.raises(ContextLengthError):
+        await collect(worker, DecodeRequest("y", tuple(range(3, 1003)), SamplingParams(max_tokens=100)))
+
+
+async def test_abort_mid_stream_frees_blocks(tiny_path) -> None:
+    pd = make_pd(tiny_path)
+    await pd.prefill.start()
+    await pd.decode.start()
+    try:
+        prompt = random_prompt(random.Random(9), 100)
+        params = SamplingParams(max_tokens=60, ignore_eos=True)
+        res = await pd.prefill.prefill(PrefillRequest("a1", prompt, params))
+        gen = pd.decode.generate(DecodeRequest("a1", prompt, params, res.token_id, res.handle))
+        got = 0
+        async for ev in gen:
+            got += len(ev.token_ids)
+            if got == 5:
+                break
+        await gen.aclose()
+        pool = pd.decode.engine.pool
+        await wait_until(pd.decode.is_idle, timeout=2)
+        assert pool.num_free_blocks == pool.num_blocks
+        pool.check_integrity()
+    finally:
+        await pd.decode.stop()
+        await pd.prefill.stop()
+
+
+async def test_full_decode_pool_waits_and_swap_preserves_output(tiny_path, ref_engine) -> None:
+    """A decode pool too small for everyone: requests wait (none dropped), swaps keep outputs exact."""
+    pd = make_pd(tiny_path, decode_blocks=24, max_num_seqs=8)
+    await pd.prefill.start()
+    await pd.decode.start()
+    rng = random.Random(11)
+    jobs = [(random_prompt(rng, rng.randint(30, 120)), rng.randint(20, 60)) for _ in range(10)]
+    try:
+        outs = await asyncio.gather(
+            *(pd.run(f"w{i}", p, SamplingParams(max_tokens=k, ignore_eos=True)) for i, (p, k) in enumerate(jobs))
+        )
+        for (prompt, k), (tokens, _) in zip(jobs, outs, strict=True):
+            assert tokens == reference(ref_engine, prompt, SamplingParams(max_tokens=k, ignore_eos=True))
+        assert pd.decode.num_swapped_out > 0, "the pool was small enough to force preemption"
+        assert pd.decode.engine.pool.num_free_blocks == 24
+    finally:
+        await pd.decode.stop()
+        await pd.prefill.stop()
+
+
+async def test_expired_lease_frees_outbox_and_import_fails(tiny_path) -> None:
+    pd = make_pd(tiny_path, lease_s=0.2)
+    await pd.prefill.start()
+    await pd.decode.start()
+    try:
+        prompt = random_prompt(random.Random(3), 50)
+        params = SamplingParams(max_tokens=10, ignore_eos=True)
+        res = await pd.prefill.prefill(PrefillRequest("e1", prompt, params))
+        assert pd.prefill.engine.pool.num_used_blocks > 0
+        await wait_until(lambda: pd.outbox.pending() == 0, timeout=5)
+        assert pd.prefill.engine.pool.num_used_blocks == 0
+        tokens, reason, error = await collect(pd.decode, DecodeRequest("e1", prompt, params, res.token_id, res.handle))
+        assert reason == "error" and error and ("expired" in error.lower() or "unknown" in error.lower())
+        assert tokens == []
+        # An unknown handle fails just as clearly.
+        from dataclasses import replace
+
+        bogus = replace(res.handle, transfer_id="nope")
+        with pytest.raises(TransferError):
+            await pd.decode.importer.pull(bogus, pd.decode.engine.cache, [0])
+        await wait_until(pd.decode.is_idle, timeout=2)
+        assert pd.decode.engine.pool.num_free_blocks == pd.decode.engine.pool.num_blocks
+    finally:
+        await pd.decode.stop()
+        await pd.prefill.stop()
