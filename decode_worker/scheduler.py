@@ -1,0 +1,300 @@
+"""The decode pool's scheduler: pure Python, no model, no device; decides, the worker executes.
+
+Life cycle of a request::
+
+    add ─▶ WAITING ─(admitted: blocks for num_tokens + 1 reserved)─▶ TRANSFERRING
+    TRANSFERRING ─on_transfer_done─▶ RUNNING        TRANSFERRING ─on_transfer_failed─▶ FINISHED
+    RUNNING ─(swap_out)─▶ SWAPPED ─(swap_in)─▶ RUNNING        any ─finish─▶ FINISHED
+
+Preemption is by swap, never recompute: recomputing a victim's KV is a prefill on the decode pool, which
+disaggregation exists to avoid (it stalls the batch); swap costs host memory and two copies.
+
+Policy: each `schedule` call (1) gives every running sequence, oldest first, a slot for its next
+token, appending a block at a block boundary; with no free block it swaps out the most recently
+arrived running sequence other than itself (alone, it swaps out itself); (2) resumes swapped
+sequences oldest first when their blocks plus the watermark fit; (3) admits waiting ones in strict
+FCFS order, only when nothing is swapped, when ``free - needed >= watermark_blocks`` and fewer than
+``max_num_seqs`` are live. The head is never overtaken, so a big request cannot starve.
+
+Protocol: the worker executes one `SchedulerOutput` completely before calling `schedule` again, in
+this order: (a) ``swap_out``: copy those device blocks to host. The scheduler has already freed them
+and may have handed the same ids out in this very output, so the copies must finish before (b)-(d)
+write anything. (b) ``swap_in``: copy the host copy into the listed ids (``seq.block_ids`` may hold
+one more, empty block for the next token). (c) ``admitted``: start pulling KV into
+``seq.block_ids``, then report `on_transfer_done` / `on_transfer_failed`. (d) step ``decode``
+(token at position ``num_tokens``), `on_token` each, `finish` those that ended. ``failed`` ones are
+already finished (they outgrew the whole pool, or broke a deadlock, see `schedule`): end them with an error.
+Before `finish` on a TRANSFERRING sequence, the worker must stop any transfer into its blocks.
+
+Invariants (`check_integrity`): each live sequence is in exactly the queue its status names; the
+pool's used blocks are exactly the live sequences' blocks (none shared: they arrive by transfer, so
+the pool needs no prefix cache); swapped blocks stay within the swap space.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import operator
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool
+from engine.errors import ContextLengthError
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running + transferring + swapped
+    watermark_blocks: int = 1  # kept free at admission and resume so running sequences can grow
+    max_swap_blocks: int = 4096  # host blocks for swapped-out KV; keep it a few times num_blocks
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity: queues remove by `is`, not by field values
+class SeqState:
+    request_id: str
+    num_tokens: int  # tokens whose KV is (or, once transferred, will be) cached; +1 per decode step
+    arrival: float  # FCFS order; ties broken by insertion order
+    block_ids: list[int] = field(default_factory=list)  # this seq's decode-pool blocks, in order
+    status: SeqStatus = SeqStatus.WAITING
+    num_swapped_blocks: int = 0  # blocks of KV held on host while SWAPPED
+    order: int = 0  # insertion number, the FCFS tie-break
+
+
+_fcfs = operator.attrgetter("arrival", "order")  # sort key of every queue but transferring
+
+
+@dataclass
+class SchedulerOutput:
+    admitted: list[SeqState] = field(default_factory=list)
+    swap_in: list[tuple[SeqState, list[int]]] = field(default_factory=list)  # ids to copy host KV into
+    swap_out: list[tuple[SeqState, list[int]]] = field(default_factory=list)  # ids to copy to host
+    decode: list[SeqState] = field(default_factory=list)  # oldest first; each has its next slot
+    failed: list[SeqState] = field(default_factory=list)  # ended by the scheduler, see `schedule`
+
+
+class DecodeScheduler:
+    """Queues and block decisions of one decode replica; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self._seqs: dict[str, SeqState] = {}  # live only: finished ones are dropped
+        self._waiting: list[SeqState] = []  # each list sorted by _fcfs
+        self._transferring: dict[str, SeqState] = {}
+        self._running: list[SeqState] = []
+        self._swapped: list[SeqState] = []
+        self._swap_used = self._next_order = 0  # host blocks in use; insertion counter
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.pool.block_size)
+
+    def add(self, seq_id: str, num_tokens: int, arrival: float) -> SeqState:
+        """Queue a request whose KV for ``num_tokens`` tokens will arrive by transfer."""
+        if num_tokens < 1:
+            raise ValueError(f"{seq_id}: num_tokens must be >= 1, got {num_tokens}")
+        if seq_id in self._seqs:
+            raise ValueError(f"{seq_id}: already scheduled")
+        need = self._blocks_for(num_tokens + 1)
+        if need + self.config.watermark_blocks > self.pool.num_blocks:
+            pool = f"the decode pool has {self.pool.num_blocks} (watermark {self.config.watermark_blocks})"
+            raise ContextLengthError(f"{seq_id}: {num_tokens} tokens need {need} blocks, {pool}")
+        seq = SeqState(seq_id, num_tokens, arrival, order=self._next_order)
+        self._next_order += 1
+        self._seqs[seq_id] = seq
+        bisect.insort(self._waiting, seq, key=_fcfs)
+        return seq
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide one iteration: grow/preempt running, resume swapped, admit waiting.
+
+        A running seq that finds no block and no victim fitting the swap space waits a step (it is
+        left out of ``decode``). Two cases end a sequence instead (listed in ``failed``): its next
+        token needs more blocks than the pool has, or every running seq waits so and no transfer is
+        in flight, a deadlock, broken by ending the youngest. Size ``max_swap_blocks`` well above
+        the pool (a few times ``num_blocks``) and neither happens in practice.
+        """
+        out = SchedulerOutput()
+        stalled = self._grow_running(out)
+        while stalled and len(stalled) == len(self._running) and not self._transferring:
+            victim = self._running[-1]  # deadlock (see above): end the youngest rather than hang
+            self._release(victim)
+            out.failed.append(victim)
+            stalled = self._grow_running(out)
+        swapped_now = {seq.request_id for seq, _ in out.swap_out}
+        while self._swapped and self._swapped[0].request_id not in swapped_now:
+            seq = self._swapped[0]
+            need = self._blocks_for(seq.num_tokens + 1)
+            idle = not self._running and not self._transferring  # nobody left to grow: no watermark
+            if self.pool.num_free_blocks - need < (0 if idle else self.config.watermark_blocks):
+                break
+            self._swapped.pop(0)
+            seq.block_ids = self.pool.allocate(need)
+            out.swap_in.append((seq, seq.block_ids[: seq.num_swapped_blocks]))
+            self._swap_used -= seq.num_swapped_blocks
+            seq.num_swapped_blocks = 0
+            seq.status = SeqStatus.RUNNING
+            bisect.insort(self._running, seq, key=_fcfs)
+        while self._waiting and not self._swapped:
+            seq = self._waiting[0]
+            need = self._blocks_for(seq.num_tokens + 1)
+            live = len(self._running) + len(self._transferring) + len(self._swapped)
+            room = self.pool.num_free_blocks - need
+            if live >= self.config.max_num_seqs or room < self.config.watermark_blocks:
+                break
+            self._waiting.pop(0)
+            seq.block_ids = self.pool.allocate(need)
+            seq.status = SeqStatus.TRANSFERRING
+            self._transferring[seq.request_id] = seq
+            out.admitted.append(seq)
+        out.decode = [s for s in self._running if s.request_id not in stalled]
+        return out
+
+    def _grow_running(self, out: SchedulerOutput) -> set[str]:
+        """Give each running seq, oldest first, a slot for its next token; return those left without."""
+        stalled: set[str] = set()
+        for seq in list(self._running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # swapped out earlier in this pass
+            need = self._blocks_for(seq.num_tokens + 1) - len(seq.block_ids)
+            if need <= 0:
+                continue
+            if len(seq.block_ids) + need > self.pool.num_blocks:
+                self._release(seq)
+                out.failed.append(seq)
+                continue
+            while self.pool.num_free_blocks < need and seq.status is SeqStatus.RUNNING:
+                victim = self._pick_victim(seq)
+                if victim is None:
+                    break
+                self._swap_out(victim, out)
+            if seq.status is SeqStatus.RUNNING:
+                if self.pool.can_allocate(need):
+                    seq.block_ids.extend(self.pool.allocate(need))
+                else:
+                    stalled.add(seq.request_id)  # nobody fits the swap space: wait a step
+        return stalled
+
+    def _pick_victim(self, seq: SeqState) -> SeqState | None:
+        """The youngest running seq but ``seq`` that fits the swap space (``seq`` if alone), or None."""
+        others = [s for s in reversed(self._running) if s is not seq]
+        for cand in others or [seq]:
+            if self._swap_used + self._blocks_for(cand.num_tokens) <= self.config.max_swap_blocks:
+                return cand
+        return None
+
+    def _swap_out(self, seq: SeqState, out: SchedulerOutput) -> None:
+        n_data = self._blocks_for(seq.num_tokens)  # a trailing empty slot block is not copied
+        out.swap_out.append((seq, seq.block_ids[:n_data]))
+        self.pool.free(seq.block_ids)
+        seq.block_ids, seq.num_swapped_blocks = [], n_data
+        self._swap_used += n_data
+        self._running.remove(seq)
+        seq.status = SeqStatus.SWAPPED
+        bisect.insort(self._swapped, seq, key=_fcfs)
+
+    def _transferring_seq(self, request_id: str, event: str) -> SeqState | None:
+        seq = self._seqs.get(request_id)  # None: aborted meanwhile, a late report is ignored
+        if seq is not None and seq.status is not SeqStatus.TRANSFERRING:
+            raise ValueError(f"{request_id}: transfer {event} while {seq.status.value}")
+        return seq
+
+    def on_transfer_done(self, request_id: str) -> None:
+        """TRANSFERRING → RUNNING. A late report for an aborted (finished) request is ignored."""
+        seq = self._transferring_seq(request_id, "done")
+        if seq is not None:
+            del self._transferring[request_id]
+            seq.status = SeqStatus.RUNNING
+            bisect.insort(self._running, seq, key=_fcfs)
+
+    def on_transfer_failed(self, request_id: str) -> None:
+        """TRANSFERRING → FINISHED, blocks freed. Ignored for an unknown or finished request."""
+        seq = self._transferring_seq(request_id, "failed")
+        if seq is not None:
+            self._release(seq)
+
+    def on_token(self, request_id: str) -> None:
+        """A decode step wrote this seq's KV at position ``num_tokens``: count it."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status is not SeqStatus.RUNNING:
+            raise ValueError(f"{request_id}: token for a sequence that is not running")
+        if seq.num_tokens >= len(seq.block_ids) * self.pool.block_size:
+            raise ValueError(f"{request_id}: token written without a slot; call schedule() first")
+        seq.num_tokens += 1
+
+    def finish(self, request_id: str) -> None:
+        """Any state → FINISHED, blocks freed, forgotten (abort too). Idempotent."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self._release(seq)
+
+    def _release(self, seq: SeqState) -> None:
+        if seq.status is SeqStatus.WAITING:
+            self._waiting.remove(seq)
+        elif seq.status is SeqStatus.TRANSFERRING:
+            del self._transferring[seq.request_id]
+        elif seq.status is SeqStatus.RUNNING:
+            self._running.remove(seq)
+        elif seq.status is SeqStatus.SWAPPED:
+            self._swapped.remove(seq)
+            self._swap_used -= seq.num_swapped_blocks
+            seq.num_swapped_blocks = 0
+        self.pool.free(seq.block_ids)
+        seq.block_ids, seq.status = [], SeqStatus.FINISHED
+        del self._seqs[seq.request_id]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_transferring(self) -> int:
+        return len(self._transferring)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self._swapped)
+
+    @property
+    def num_swap_blocks_used(self) -> int:
+        return self._swap_used
+
+    def has_work(self) -> bool:
+        return bool(self._seqs)  # live sequences in any queue
+
+    def get(self, request_id: str) -> SeqState | None:
+        """The live sequence, or None once finished (or never added)."""
+        return self._seqs.get(request_id)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the queues, the statuses and the pool's books disagree."""
+        xfer = list(self._transferring.values())
+        queues = [(SeqStatus.WAITING, self._waiting), (SeqStatus.RUNNING, self._running)]
+        queues += [(SeqStatus.SWAPPED, self._swapped), (SeqStatus.TRANSFERRING, xfer)]
+        for status, queue in queues:
+            assert all(s.status is status for s in queue), f"a seq in the {status.value} queue is not"
+            if status is not SeqStatus.TRANSFERRING:
+                assert [_fcfs(s) for s in queue] == sorted(map(_fcfs, queue)), f"{status.value} out of order"
+        ids = sorted(s.request_id for _, queue in queues for s in queue)
+        assert ids == sorted(self._seqs), "a live seq is in no queue, or in two"
+        owned = [b for s in self._seqs.values() for b in s.block_ids]
+        assert len(owned) == len(set(owned)), "a block is owned by two sequences"
+        assert len(owned) == self.pool.num_used_blocks, f"{len(owned)} owned, pool says used"
+        for s in self._seqs.values():
+            room = len(s.block_ids) * self.pool.block_size
+            with_kv = s.status in (SeqStatus.TRANSFERRING, SeqStatus.RUNNING)
+            assert room >= s.num_tokens if with_kv else room == 0, f"{s.request_id}: {room} slots"
+        swapped = sum(s.num_swapped_blocks for s in self._swapped)
+        assert self._swap_used == swapped <= self.config.max_swap_blocks, f"swap space: {swapped} blocks"
+        self.pool.check_integrity()
