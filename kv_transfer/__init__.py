@@ -1,1 +1,60 @@
-"""pdserve package."""
+"""KV hand-off between prefill and decode replicas: handles, outbox leases, control channel, transports.
+
+Module map (one concept each):
+
+- `layout`: `KVLayout`, the cache fingerprint checked before any byte moves.
+- `handle`: `KVHandle` and its msgpack codec (`encode_handle` / `decode_handle`).
+- `errors`: `TransferError` and its kinds.
+- `wire`, `messages`, `framing`: checked msgpack, the typed control messages, length-prefixed frames.
+- `auth`: the HELLO challenge-response (HMAC-SHA256 over the cluster secret).
+- `outbox`: the prefill side's blocks under lease.
+- `transport` (+ `local`, `gloo`, `nccl`): the data-plane interface, registry and implementations.
+- `blocks`: which tensors travel, in which order; `blocking`: worker-thread helpers.
+- `server` (`KVSource`, prefill side) and `client` (`KVPuller`, decode side).
+- `bench`: ``python -m kv_transfer.bench``: pull throughput between two processes.
+"""
+
+from __future__ import annotations
+
+from kv_transfer.client import KVPuller, PullerConfig, PullStats
+from kv_transfer.errors import (
+    AuthError,
+    CodecError,
+    ConnectionClosed,
+    TransferError,
+    TransferRefused,
+    TransferTimeout,
+    TransportUnavailable,
+)
+from kv_transfer.handle import KVHandle, decode_handle, encode_handle
+from kv_transfer.layout import KVLayout
+from kv_transfer.outbox import Outbox, OutboxEntry, OutboxStats
+from kv_transfer.server import KVSource, SourceConfig, SourceStats
+from kv_transfer.transport import KVTransport, TransportInfo, available_transports, make_transport
+
+__all__ = [
+    "AuthError",
+    "CodecError",
+    "ConnectionClosed",
+    "KVHandle",
+    "KVLayout",
+    "KVPuller",
+    "KVSource",
+    "KVTransport",
+    "Outbox",
+    "OutboxEntry",
+    "OutboxStats",
+    "PullStats",
+    "PullerConfig",
+    "SourceConfig",
+    "SourceStats",
+    "TransferError",
+    "TransferRefused",
+    "TransferTimeout",
+    "TransportInfo",
+    "TransportUnavailable",
+    "available_transports",
+    "decode_handle",
+    "encode_handle",
+    "make_transport",
+]
