@@ -2,7 +2,7 @@
 
 Owns: the `KVImporter` protocol the decode worker depends on, and `InProcessImporter`, which
 copies straight out of a prefill worker's outbox in the same process (tests, single-process runs).
-The network importer (`kv_transfer` pull over gloo or NCCL) lives in `decode_worker.remote`.
+`RemoteImporter` pulls over the network through `kv_transfer.KVPuller` (gloo or NCCL).
 
 Invariants: ``pull`` either fills exactly the blocks covering ``handle.n_tokens`` and tells the
 source it is DONE (the source frees its blocks), or raises and leaves the source able to free them
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from engine.kv_cache import KVCache
+from kv_transfer.client import KVPuller
 from kv_transfer.errors import TransferRefused
 from kv_transfer.handle import KVHandle
 
@@ -76,3 +77,21 @@ class InProcessImporter:
 
     async def close(self) -> None:
         self.sources.clear()
+
+
+class RemoteImporter:
+    """Pulls over the network from prefill replicas' `kv_transfer.KVSource`s (gloo or NCCL)."""
+
+    def __init__(self, puller: KVPuller, timeout_s: float) -> None:
+        self.puller = puller
+        self.timeout_s = timeout_s
+
+    async def pull(self, handle: KVHandle, cache: KVCache, block_ids: list[int]) -> ImportStats:
+        stats = await self.puller.pull(handle, cache, block_ids, timeout_s=self.timeout_s)
+        return ImportStats(bytes=stats.nbytes, seconds=stats.seconds)
+
+    async def release(self, handle: KVHandle) -> None:
+        await self.puller.release(handle, timeout_s=min(self.timeout_s, 10.0))
+
+    async def close(self) -> None:
+        await self.puller.close()

@@ -238,7 +238,7 @@ class DecodeWorker:
             self.num_swapped_out += 1
         for seq, blocks in out.swap_in:
             cache.scatter_blocks(blocks, self.host_swap.pop(seq.request_id))
-        for seq in getattr(out, "failed", []):
+        for seq in out.failed:
             st = self.streams.get(seq.request_id)
             if st is not None:
                 self._end(st, "error", "sequence outgrew the decode pool's KV blocks")

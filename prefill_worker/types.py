@@ -58,4 +58,5 @@ class LoadReport:
     outstanding_tokens: int  # prompt tokens queued or in progress (prefill); context tokens (decode)
     kv_blocks_free: int
     kv_blocks_total: int
+    outbox_pending: int = 0  # prefill: handles not yet pulled, released or expired
     ready: bool = True

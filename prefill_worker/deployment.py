@@ -1,0 +1,123 @@
+"""`PrefillServer`: the Ray Serve replica of the prefill pool — a thin shell over `PrefillWorker`.
+
+Owns: building one replica's pieces from a `PrefillWorkerConfig` (engine, outbox, the KV source
+that serves pulls, the worker) and exposing them to the router: ``prefill``, ``load``, ``ready``,
+``stats``. All serving logic is in `prefill_worker.worker`; all transfer logic in `kv_transfer`.
+
+Invariants: the replica reports ready only after the model is loaded and the KV source listens;
+``shutdown`` stops taking work, lets queued prefills finish (bounded by ``drain_timeout_s``) and
+releases whatever the outbox still holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from engine.engine import Engine
+from engine.tokenizer import Tokenizer
+from kv_transfer.layout import KVLayout
+from kv_transfer.outbox import Outbox
+from kv_transfer.server import KVSource, SourceConfig
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.types import LoadReport, PrefillRequest, PrefillResult
+from prefill_worker.worker import PrefillWorker
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServer:
+    def __init__(self, config: PrefillWorkerConfig) -> None:
+        if config.engine.num_threads:
+            torch.set_num_threads(config.engine.num_threads)
+        self.config = config
+        self.engine = Engine.load(config.model, config.engine, config.model_cache_dir)
+        eos = Tokenizer.from_dir(self.engine.model_dir).eos_token_ids
+        self.outbox = Outbox(self.engine.pool.free, default_lease_s=config.kv.lease_s)
+        layout = KVLayout.from_model(self.engine.model_config, config.engine.dtype, self.engine.block_size)
+        self.source = KVSource(
+            self.engine.cache,
+            self.outbox,
+            config.kv.secret.encode(),
+            layout,
+            SourceConfig(
+                host=config.kv.host,
+                port=config.kv.port,
+                transport=config.kv.transport,
+                transfer_timeout_s=config.kv.timeout_s,
+            ),
+        )
+        self.replica_id = f"prefill-{os.getpid()}"
+        self._eos = eos
+        self.worker: PrefillWorker | None = None
+        self._start_lock: asyncio.Lock | None = None
+        self._draining = False
+        self.started_at = time.time()
+
+    async def _ensure_started(self) -> PrefillWorker:
+        if self.worker is not None:
+            return self.worker
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self.worker is None:
+                await self.source.start()
+                worker = PrefillWorker(
+                    self.engine, self.config, self.outbox, self.source.address, self._eos, self.replica_id
+                )
+                await worker.start()
+                self.worker = worker
+        return self.worker
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        if self._draining:
+            from engine.errors import QueueFullError
+
+            raise QueueFullError("this prefill replica is draining", retry_after_s=0.5)
+        worker = await self._ensure_started()
+        return await worker.prefill(req)
+
+    async def load(self) -> LoadReport:
+        worker = await self._ensure_started()
+        rep = worker.load_report()
+        return LoadReport(**{**rep.__dict__, "outbox_pending": self.outbox.pending(), "ready": not self._draining})
+
+    async def ready(self) -> bool:
+        await self._ensure_started()
+        return not self._draining
+
+    async def stats(self) -> dict[str, Any]:
+        """Books for tests and dashboards: pool, outbox and source counters."""
+        await self._ensure_started()
+        pool = self.engine.pool
+        pool.check_integrity()
+        return {
+            "replica_id": self.replica_id,
+            "pid": os.getpid(),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used_blocks,
+            "outbox_pending": self.outbox.pending(),
+            "outbox_blocks_held": self.outbox.num_blocks_held(),
+            "source": self.source.stats().__dict__ | {"outbox": self.outbox.stats().__dict__},
+        }
+
+    async def shutdown(self, drain_timeout_s: float = 10.0) -> None:
+        """Graceful drain: refuse new work, finish queued prefills, free what the outbox holds."""
+        self._draining = True
+        if self.worker is not None:
+            deadline = time.monotonic() + drain_timeout_s
+            while self.worker.waiting and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await self.worker.stop()
+        await self.source.stop(release_pending=True)
+
+    async def __del__(self) -> None:  # Serve awaits an async __del__ when it stops a replica
+        try:
+            await self.shutdown()
+        except Exception:
+            log.exception("prefill replica shutdown failed")
