@@ -13,7 +13,9 @@ after it, a stream ends with ``data: {"error": …}`` then ``data: [DONE]``; a c
 mid-stream cancels the decode stream (the generator is closed, which cancels the Serve stream).
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: Serve ships the ingress class by value, cloudpickle
+# keeps only the globals a function's code uses, and FastAPI resolves string annotations (``Request``)
+# from those globals, so postponed annotations would turn ``request: Request`` into a query parameter.
 
 import hmac
 import json
@@ -51,7 +53,6 @@ from router.protocol import (
     GenerationRequest,
     ModelCard,
     ModelList,
-    new_id,
 )
 
 logger = logging.getLogger("pdserve.router")
@@ -80,6 +81,13 @@ async def read_json(request: Request, limit: int) -> Any:
         raise bad_request(f"The request body is not valid JSON: {e}") from None
 
 
+def _route_path(request: Request) -> str:
+    """The path as the app sees it, without Serve's route prefix (``/pd/health`` → ``/health``)."""
+    path: str = request.scope.get("path", "")
+    root: str = request.scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def stream_error(exc: BaseException) -> APIError:
     if isinstance(exc, StreamError):
         return APIError(500, str(exc), type="server_error", code="stream_error")
@@ -105,7 +113,7 @@ class Router:
 
     # ---- guards ----
     def _authorize(self, request: Request) -> None:
-        if not self._keys or request.url.path in self._config.public_paths:
+        if not self._keys or _route_path(request) in self._config.public_paths:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
@@ -136,7 +144,7 @@ class Router:
             fmt: Formatter = CompletionFormatter(
                 model=req.model, codec=self._codec, prompt_tokens=len(prompt),
                 logprobs=req.logprobs is not None, include_usage=req.include_usage)
-            return await self._run(req.stream, prompt, req, fmt, "cmpl")
+            return await self._run(req.stream, prompt, req, fmt)
         except APIError as e:
             return e.response()
 
@@ -147,16 +155,16 @@ class Router:
             prompt = chat_prompt(req, self._codec)
             fmt: Formatter = ChatFormatter(model=req.model, codec=self._codec, prompt_tokens=len(prompt),
                                            logprobs=req.logprobs, include_usage=req.include_usage)
-            return await self._run(req.stream, prompt, req, fmt, "chatcmpl")
+            return await self._run(req.stream, prompt, req, fmt)
         except APIError as e:
             return e.response()
 
-    async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
-                   kind: str) -> Response:
+    async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter
+                   ) -> Response:
         arrival_mono = time.perf_counter()
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
                                 self._codec.eos_token_ids, fmt.logprobs)
-        inp = GenerationInput(request_id=new_id(kind), prompt_token_ids=prompt, sampling=sampling,
+        inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
                               stop_strings=req.stop_strings, arrival_mono=arrival_mono)
         deltas = self._generation.stream(inp)
         try:

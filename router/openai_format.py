@@ -60,6 +60,9 @@ class Formatter:
     finish_reason: str | None = None
     id: str = ""
 
+    def __post_init__(self) -> None:  # declared here so the dataclass __init__ calls the subclasses' own
+        pass
+
     def add(self, delta: Delta) -> None:
         self.completion_tokens += len(delta.token_ids)
         self.text.append(delta.text)

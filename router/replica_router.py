@@ -24,6 +24,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from decode_worker.types import DecodeRequest
@@ -146,3 +147,18 @@ def router_config_kwargs(policy: str, params: AffinityParams) -> dict[str, Any]:
         "imbalance_ratio": params.imbalance_ratio,
         "imbalance_tokens": params.imbalance_tokens,
     }
+
+
+def serve_router_config(
+    policy: str = "least_outstanding_tokens",
+    params: AffinityParams | None = None,
+    stats_period_s: float = 1.0,
+) -> RequestRouterConfig:
+    """The ``request_router_config`` that puts a deployment's handles on `LoadAwareRequestRouter`."""
+    options: dict[str, Any] = {  # a dict: Ray types RequestRouterConfig's kwargs as dicts
+        "request_router_class": LoadAwareRequestRouter,
+        "request_router_kwargs": router_config_kwargs(policy, params or AffinityParams()),
+        "request_routing_stats_period_s": stats_period_s,
+        "request_routing_stats_timeout_s": max(5.0, 3 * stats_period_s),
+    }
+    return RequestRouterConfig(**options)

@@ -7,7 +7,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_text
 from ray.exceptions import ActorDiedError
 
 from engine.sampling import SamplingParams
@@ -15,6 +14,7 @@ from router.backends import Backends
 from router.errors import APIError
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import RouterMetrics
+from tests.router.pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_text
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from pd_fakes import FakeCodec
 from pydantic import ValidationError
 
 from engine.errors import ContextLengthError, QueueFullError
 from router.errors import APIError, from_exception, from_validation_errors, queue_full
 from router.prompt import chat_prompt, completion_prompt, sampling_for
 from router.protocol import ChatCompletionRequest, CompletionRequest
+from tests.router.pd_fakes import FakeCodec
 
 pytestmark = pytest.mark.timeout(30)
 CODEC = FakeCodec()
