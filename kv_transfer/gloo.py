@@ -14,7 +14,9 @@ keys, ports or threads behind.
 
 Invariants: rank 0 = source, rank 1 = destination; gloo devices bind to each side's configured
 ``host``; tensors travel as their raw bytes (``uint8`` views), so every dtype arrives bit-exact;
-every wait carries a deadline (``Work.wait(timeout)``), so a worker thread never outlives it.
+every wait carries a deadline (``Work.wait(timeout)``), so a worker thread never outlives it; a
+size header precedes the data, because gloo *aborts the process* (not just the op) when a message
+is larger than the receive posted for it.
 
 Security note: the store and gloo's own sockets are not authenticated; the pair token is only
 learned through the HMAC-authenticated control channel, and both bind to the cluster network only.
@@ -101,16 +103,32 @@ class GlooTransport(KVTransport):
         pg = self._group()
         deadline = time.monotonic() + timeout_s
         peer = _PEER[self.rank]
+
+        def wait(w: Any) -> None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"gloo: {op} timed out after {timeout_s:.1f}s")
+            w.wait(_td(left))
+
         try:
-            # One op per tensor, tag = position: ops on a pair are serialized, so tags may repeat
-            # across transfers. Raw bytes: gloo never sees (or converts) the dtype.
+            # Gloo aborts the whole process when a message is larger than the posted receive, so a
+            # fixed-size header (tag 0) goes first, and the receiver posts the data receives only if
+            # it matches exactly; a mismatched sender then just times out. Raw bytes: gloo never sees
+            # (or converts) the dtype. Ops on a pair are serialized, so tags repeat across transfers.
+            header = _header(tensors)
             flat = [t.view(-1).view(torch.uint8) for t in tensors]
-            works = [(pg.send if op == "send" else pg.recv)([t], peer, tag) for tag, t in enumerate(flat)]
+            if op == "send":
+                works = [pg.send([header], peer, 0)]
+                works += [pg.send([t], peer, tag) for tag, t in enumerate(flat, start=1)]
+            else:
+                theirs = torch.empty_like(header)
+                wait(pg.recv([theirs], peer, 0))
+                if not torch.equal(theirs, header):
+                    raise TransferError(f"gloo: sender announced {theirs.tolist()} (tensors, bytes, digest), "
+                                        f"receiver expects {header.tolist()}")
+                works = [pg.recv([t], peer, tag) for tag, t in enumerate(flat, start=1)]
             for w in works:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeout(f"gloo: {op} timed out after {timeout_s:.1f}s")
-                w.wait(_td(left))
+                wait(w)
         except Exception as e:
             self._broken = True
             raise _wrap(e, f"gloo: {op} of {len(tensors)} tensor(s)") from None
@@ -125,6 +143,15 @@ class GlooTransport(KVTransport):
     @property
     def is_open(self) -> bool:
         return self._pg is not None and not self._broken
+
+
+def _header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[count, total bytes, digest of the sizes]``: what both ends must agree on before any data op."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    digest = 0
+    for n in sizes:
+        digest = (digest * 1_000_003 + n) % (1 << 61)
+    return torch.tensor([len(sizes), sum(sizes), digest], dtype=torch.int64)
 
 
 def _td(seconds: float) -> datetime.timedelta:
