@@ -30,17 +30,11 @@ def report_to_stats(report: LoadReport) -> dict[str, Any]:
 
 def stats_to_report(replica_id: str, stats: Mapping[str, Any], role: str = "") -> LoadReport:
     """Routing stats back to a `LoadReport`; a replica that has not reported yet counts as idle."""
-    known = {k: v for k, v in stats.items() if k in _FIELDS}
-    return LoadReport(
-        replica_id=replica_id,
-        role=str(known.get("role", role)),
-        num_waiting=int(known.get("num_waiting", 0)),
-        num_running=int(known.get("num_running", 0)),
-        outstanding_tokens=int(known.get("outstanding_tokens", 0)),
-        kv_blocks_free=int(known.get("kv_blocks_free", 0)),
-        kv_blocks_total=int(known.get("kv_blocks_total", 0)),
-        ready=bool(known.get("ready", True)),
-    )
+    values: dict[str, Any] = {"role": role, "num_waiting": 0, "num_running": 0, "outstanding_tokens": 0,
+                              "kv_blocks_free": 0, "kv_blocks_total": 0}
+    values.update((k, v) for k, v in stats.items() if k in _FIELDS)
+    values["replica_id"] = replica_id
+    return LoadReport(**values)
 
 
 def publish(deployment: str, reports: Mapping[str, LoadReport]) -> None:

@@ -20,6 +20,7 @@ publishes every replica-info update to `router.loadboard` for `/metrics` and `/r
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -75,7 +76,7 @@ class LoadAwareRequestRouter(RequestRouter):
             local = self._inflight_tokens.get(rid, 0)
         if local > report.outstanding_tokens:
             # Our own sends are fresher than a stats poll; with one router process they are the truth.
-            report = LoadReport(**{**loadboard.report_to_stats(report), "outstanding_tokens": local})
+            report = dataclasses.replace(report, outstanding_tokens=local)
         return report
 
     async def choose_replicas(

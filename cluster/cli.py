@@ -1,0 +1,80 @@
+"""The ``pdserve`` command line (entry point ``cluster.cli:main``).
+
+Commands:
+  pdserve serve --config FILE [--host H] [--port N]   run the YAML's app on a local Ray cluster
+  pdserve prepare-model [MODEL] [--cache-dir DIR]     convert/fetch a model once, print its folder
+  pdserve config --config FILE                        validate a YAML, print the effective config
+
+Exit codes: 0 ok, 2 bad usage or config (the message says what and where), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from cluster.config import ClusterConfig, ConfigError, Environment, application_entry
+from router.config import DEFAULT_MODEL
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run a Serve YAML's pdserve app on a local Ray cluster")
+    s.add_argument("--config", required=True, help="Serve YAML (e.g. deploy/local.yaml)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    m = sub.add_parser("prepare-model", help="prepare a model folder (the bundled model by default)")
+    m.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="bundled name, .gguf file or HF folder")
+    m.add_argument("--cache-dir", default=None, help="where prepared models live (PDSERVE_MODEL_CACHE)")
+    c = sub.add_parser("config", help="validate a Serve YAML and print the effective pdserve config")
+    c.add_argument("--config", required=True)
+    return p
+
+
+def _serve(path: str, host: str, port: int) -> int:
+    from cluster.app import compose_app
+    from cluster.local import LocalOptions, serve_forever
+
+    entry = application_entry(path)
+    cfg = ClusterConfig.from_yaml(path)
+    opts = LocalOptions(host=host, port=port, app_name=str(entry.get("name") or "pdserve"),
+                        route_prefix=str(entry.get("route_prefix") or "/"))
+    serve_forever(compose_app(cfg), cfg, opts)
+    return 0
+
+
+def _prepare(model: str, cache_dir: str | None) -> int:
+    from engine.bundled import prepare_model
+
+    cache = cache_dir or Environment.read().model_cache
+    print(f"preparing {model} ...", file=sys.stderr, flush=True)
+    folder = prepare_model(model, cache_dir=Path(cache) if cache else None, progress=True)
+    print(folder)
+    return 0
+
+
+def _config(path: str) -> int:
+    cfg = ClusterConfig.from_yaml(path)
+    print(json.dumps(cfg.redacted(), indent=2))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args.config, args.host, args.port)
+        if args.command == "prepare-model":
+            return _prepare(args.model, args.cache_dir)
+        return _config(args.config)
+    except ConfigError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""`ClusterConfig`: the whole cluster's settings, read from a Serve YAML's ``args:`` (and nowhere else).
+
+Owns: the YAML schema (pydantic, ``extra="forbid"``: a misspelt key is an error naming the key and
+what is allowed), the cross-field rules, the environment variables (read here, once, through
+`Environment.read`), and the per-component configs built from it: `PrefillWorkerConfig`,
+`DecodeWorkerConfig`, `RouterConfig`.
+
+Invariants: a `ClusterConfig` that constructed is consistent — nccl means every worker asks for a
+GPU and runs on cuda; cuda means GPUs are asked for; colocated mode has no prefill pool (its
+section is ignored). The KV secret is the configured one, else ``PDSERVE_KV_SECRET``, else a random
+one drawn once per config (so every replica of one app shares it). Secrets never print: see
+`ClusterConfig.redacted`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from decode_worker.config import DecodeWorkerConfig
+from engine.config import EngineConfig, parse_dtype
+from prefill_worker.config import KVTransferConfig, PrefillWorkerConfig
+from router.config import DEFAULT_MODEL, RouterConfig
+from router.policy import POLICIES, AffinityParams
+
+IMPORT_PATH = "cluster.app:build_app"
+
+
+class ConfigError(ValueError):
+    """A cluster config that cannot be used; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The environment variables pdserve honours (read once, in `Environment.read`)."""
+
+    api_keys: tuple[str, ...] = ()  # PDSERVE_API_KEYS: comma-separated, added to the configured keys
+    kv_secret: str | None = None  # PDSERVE_KV_SECRET: used when the config sets none
+    model_cache: str | None = None  # PDSERVE_MODEL_CACHE: where prepared models live
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
+        env = os.environ if environ is None else environ
+        keys = tuple(k.strip() for k in env.get("PDSERVE_API_KEYS", "").split(",") if k.strip())
+        return cls(api_keys=keys, kv_secret=env.get("PDSERVE_KV_SECRET") or None,
+                   model_cache=env.get("PDSERVE_MODEL_CACHE") or None)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSection(_Section):
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    dtype: str = "float32"
+    block_size: int = Field(default=16, ge=1, le=1024)
+    num_threads: int | None = Field(default=None, ge=1)  # torch threads per worker replica
+    enable_prefix_cache: bool = True
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        parse_dtype(v)  # raises ValueError naming the accepted names
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if v != "cpu" and v != "cuda" and not v.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {v!r}")
+        return v
+
+
+class _Pool(_Section):
+    num_replicas: int = Field(default=1, ge=1)
+    num_cpus: float = Field(default=0.5, ge=0)
+    num_gpus: float = Field(default=0, ge=0)
+    max_queue: int = Field(default=256, ge=1)  # worker queue bound; past it the router answers 429
+    max_ongoing_requests: int = Field(default=1024, ge=1)  # Serve's per-replica bound (above max_queue)
+    num_blocks: int = Field(default=1024, ge=1)
+    max_num_seqs: int = Field(default=64, ge=1)
+
+
+class AffinitySection(_Section):
+    max_prefix_blocks: int = Field(default=4, ge=1)
+    imbalance_ratio: float = Field(default=2.0, ge=1.0)
+    imbalance_tokens: int = Field(default=2048, ge=0)
+
+
+class PrefillSection(_Pool):
+    max_batch_tokens: int = Field(default=2048, ge=1)
+    num_blocks: int = Field(default=512, ge=1)
+    policy: Literal["least_outstanding_tokens", "prefix_affinity"] = "prefix_affinity"
+    affinity: AffinitySection = AffinitySection()
+
+
+class DecodeSection(_Pool):
+    prefill_chunk_size: int = Field(default=0, ge=0)  # colocated only: 0 = whole prompt at once
+    watermark_blocks: int = Field(default=1, ge=0)
+    max_swap_blocks: int = Field(default=4096, ge=0)
+    # colocated replicas prefill, so a shared prefix pays there; disaggregated decode replicas do not
+    policy: Literal["least_outstanding_tokens", "prefix_affinity"] | None = None
+    affinity: AffinitySection = AffinitySection()
+
+
+class RouterSection(_Section):
+    num_replicas: int = Field(default=1, ge=1)
+    num_cpus: float = Field(default=0.1, ge=0)
+    max_ongoing_requests: int = Field(default=1000, ge=1)
+    api_keys: list[str] = Field(default_factory=list, repr=False)
+    public_paths: list[str] = Field(default_factory=lambda: ["/health", "/ready", "/metrics"])
+    routing_stats_period_s: float = Field(default=1.0, gt=0)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _non_empty_keys(cls, v: list[str]) -> list[str]:
+        if any(not k.strip() for k in v):
+            raise ValueError("API keys must be non-empty strings")
+        return v
+
+
+class KVSection(_Section):
+    transport: Literal["gloo", "nccl", "local"] = "gloo"
+    host: str | None = None
+    port: int = Field(default=0, ge=0, lt=65536)
+    secret: str | None = Field(default=None, repr=False)
+    lease_s: float = Field(default=30.0, gt=0)
+    timeout_s: float = Field(default=30.0, gt=0)
+
+
+class LimitsSection(_Section):
+    max_model_len: int | None = Field(default=None, ge=2)
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    default_max_tokens: int | None = Field(default=None, ge=1)
+    prefill_timeout_s: float = Field(default=120.0, gt=0)
+    token_timeout_s: float = Field(default=60.0, gt=0)
+    ready_timeout_s: float = Field(default=5.0, gt=0)
+
+
+class ClusterConfig(_Section):
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None  # default: the model's name
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    model_cache_dir: str | None = None
+    engine: EngineSection = EngineSection()
+    prefill: PrefillSection = PrefillSection()
+    decode: DecodeSection = DecodeSection()
+    router: RouterSection = RouterSection()
+    kv: KVSection = KVSection()
+    limits: LimitsSection = LimitsSection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterConfig:
+        pools = [("decode", self.decode)] + ([("prefill", self.prefill)] if self.disaggregated else [])
+        cuda = self.engine.device.startswith("cuda")
+        if self.disaggregated and self.kv.transport == "nccl" and not cuda:
+            raise ValueError("kv.transport='nccl' needs engine.device='cuda'")
+        for name, pool in pools:
+            if cuda and pool.num_gpus <= 0:
+                raise ValueError(f"engine.device={self.engine.device!r} needs {name}.num_gpus > 0")
+            if self.disaggregated and self.kv.transport == "nccl" and pool.num_gpus <= 0:
+                raise ValueError(f"kv.transport='nccl' needs {name}.num_gpus > 0 (NCCL moves GPU memory)")
+        if self.disaggregated and self.decode.prefill_chunk_size:
+            raise ValueError("decode.prefill_chunk_size applies to mode='colocated' only")
+        return self
+
+    # ---- construction ----
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any] | None, env: Environment | None = None,
+                  source: str = "args") -> ClusterConfig:
+        """Validate a YAML ``args:`` mapping; environment values fill what it leaves unset."""
+        environment = env if env is not None else Environment.read()
+        try:
+            cfg = cls.model_validate(dict(args or {}))
+        except ValidationError as e:
+            raise ConfigError(format_errors(e, source)) from None
+        updates: dict[str, Any] = {}
+        if cfg.model_cache_dir is None and environment.model_cache:
+            updates["model_cache_dir"] = environment.model_cache
+        if environment.api_keys:
+            keys = list(dict.fromkeys([*cfg.router.api_keys, *environment.api_keys]))
+            updates["router"] = cfg.router.model_copy(update={"api_keys": keys})
+        if cfg.kv.secret is None:
+            secret = environment.kv_secret or secrets.token_hex(32)
+            updates["kv"] = cfg.kv.model_copy(update={"secret": secret})
+        return cfg.model_copy(update=updates)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, env: Environment | None = None) -> ClusterConfig:
+        return cls.from_args(application_args(path), env, source=str(path))
+
+    # ---- derived ----
+    @property
+    def disaggregated(self) -> bool:
+        return self.mode == "disaggregated"
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model).name.removesuffix(".gguf")
+
+    def _engine(self, pool: _Pool) -> EngineConfig:
+        e = self.engine
+        return EngineConfig(device=e.device, dtype=e.dtype, block_size=e.block_size, num_blocks=pool.num_blocks,
+                            max_num_seqs=pool.max_num_seqs, max_model_len=self.limits.max_model_len,
+                            enable_prefix_cache=e.enable_prefix_cache, num_threads=e.num_threads)
+
+    def _kv(self) -> KVTransferConfig:
+        k = self.kv
+        return KVTransferConfig(transport=k.transport, host=k.host, port=k.port, secret=k.secret or "",
+                                lease_s=k.lease_s, timeout_s=k.timeout_s)
+
+    def prefill_worker_config(self) -> PrefillWorkerConfig:
+        p = self.prefill
+        return PrefillWorkerConfig(model=self.model, engine=self._engine(p), kv=self._kv(),
+                                   max_batch_tokens=p.max_batch_tokens, max_queue=p.max_queue,
+                                   model_cache_dir=self.model_cache_dir)
+
+    def decode_worker_config(self) -> DecodeWorkerConfig:
+        d = self.decode
+        return DecodeWorkerConfig(model=self.model, engine=self._engine(d), kv=self._kv(), mode=self.mode,
+                                  prefill_chunk_size=d.prefill_chunk_size, watermark_blocks=d.watermark_blocks,
+                                  max_swap_blocks=d.max_swap_blocks, max_queue=d.max_queue,
+                                  token_timeout_s=self.limits.token_timeout_s,
+                                  model_cache_dir=self.model_cache_dir)
+
+    def router_config(self) -> RouterConfig:
+        lim = self.limits
+        return RouterConfig(served_model_name=self.name, model=self.model, model_cache_dir=self.model_cache_dir,
+                            mode=self.mode, api_keys=tuple(self.router.api_keys),
+                            public_paths=tuple(self.router.public_paths), max_model_len=lim.max_model_len,
+                            max_body_bytes=lim.max_body_bytes, default_max_tokens=lim.default_max_tokens,
+                            prefill_timeout_s=lim.prefill_timeout_s, token_timeout_s=lim.token_timeout_s,
+                            ready_timeout_s=lim.ready_timeout_s)
+
+    def decode_policy(self) -> str:
+        if self.decode.policy is not None:
+            return self.decode.policy
+        return "least_outstanding_tokens" if self.disaggregated else "prefix_affinity"
+
+    def affinity(self, section: AffinitySection) -> AffinityParams:
+        return AffinityParams(block_size=self.engine.block_size, max_prefix_blocks=section.max_prefix_blocks,
+                              imbalance_ratio=section.imbalance_ratio, imbalance_tokens=section.imbalance_tokens)
+
+    def total_cpus(self) -> float:
+        """CPUs every replica together asks Ray for (for sizing a local cluster)."""
+        total = self.router.num_replicas * self.router.num_cpus
+        total += self.decode.num_replicas * self.decode.num_cpus
+        if self.disaggregated:
+            total += self.prefill.num_replicas * self.prefill.num_cpus
+        return total
+
+    def redacted(self) -> dict[str, Any]:
+        """The effective config as plain data, secrets masked (for printing)."""
+        data = self.model_dump(mode="json")
+        data["router"]["api_keys"] = ["***"] * len(self.router.api_keys)
+        if data["kv"].get("secret"):
+            data["kv"]["secret"] = "***"
+        data["served_model_name"] = self.name
+        if not self.disaggregated:
+            data.pop("prefill")
+        return data
+
+
+assert set(POLICIES) == {"least_outstanding_tokens", "prefix_affinity"}  # the Literal types above
+
+
+def format_errors(e: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid pdserve config ({e.error_count()} problem{'s' * (e.error_count() > 1)}):"]
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  - {loc}: unknown key{_allowed(err['loc'])}")
+        else:
+            lines.append(f"  - {loc}: {msg}" if loc else f"  - {msg}")
+    return "\n".join(lines)
+
+
+def _allowed(loc: tuple[int | str, ...]) -> str:
+    model: Any = ClusterConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return ""
+        model = field.annotation
+    return f" (allowed: {', '.join(model.model_fields)})"
+
+
+def application_args(path: str | Path) -> dict[str, Any]:
+    """The ``args:`` of the pdserve application in a Serve YAML (the one importing `IMPORT_PATH`)."""
+    app = application_entry(path)
+    args = app.get("args") or {}
+    if not isinstance(args, dict):
+        raise ConfigError(f"{path}: the application's args must be a mapping")
+    return args
+
+
+def application_entry(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    apps = doc.get("applications") if isinstance(doc, dict) else None
+    if not isinstance(apps, list) or not apps:
+        raise ConfigError(f"{p}: expected a Serve config with an 'applications:' list")
+    ours = [a for a in apps if isinstance(a, dict) and a.get("import_path") == IMPORT_PATH]
+    if len(ours) != 1:
+        raise ConfigError(f"{p}: expected exactly one application with import_path: {IMPORT_PATH}")
+    return ours[0]

@@ -1,0 +1,105 @@
+"""A local Ray cluster running one pdserve app, for ``make serve`` / ``pdserve serve``.
+
+Owns: starting Ray (auth off, no dashboard, a known temp dir, CPUs sized so fractional replicas
+fit), starting Serve's HTTP proxy on the asked host/port, deploying, waiting for ``/ready``,
+printing a curl to paste, and shutting everything down on Ctrl-C (or any exit).
+
+Invariants: this module starts what it stops: Serve and Ray are shut down in a ``finally``; the
+wait for ``/ready`` is bounded and a failure to get ready is an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from ray.serve import Application
+
+from cluster.config import ClusterConfig
+
+TEMP_DIR = "/tmp/pdserve-ray"
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    app_name: str = "pdserve"
+    route_prefix: str = "/"
+    temp_dir: str = TEMP_DIR
+    ready_timeout_s: float = 900.0  # the first start converts the bundled model
+
+
+def cluster_cpus(cfg: ClusterConfig) -> int:
+    """Logical CPUs to give Ray: what the replicas ask for, and never fewer than the machine has."""
+    return max(os.cpu_count() or 1, math.ceil(cfg.total_cpus() + 0.5))
+
+
+def start_ray(num_cpus: int, temp_dir: str = TEMP_DIR) -> None:
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # for Ray itself (and the workers it starts)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir)
+
+
+def wait_ready(base_url: str, timeout_s: float, api_key: str | None = None) -> None:
+    """Poll ``/ready`` until it answers 200; raise TimeoutError past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"{base_url}/ready", headers=headers),
+                                        timeout=10) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as e:
+            last = f"HTTP {e.code}"
+        except (urllib.error.URLError, OSError) as e:
+            last = str(e)
+        time.sleep(1.0)
+    raise TimeoutError(f"{base_url}/ready did not answer 200 within {timeout_s:g} s (last: {last})")
+
+
+def curl_example(base_url: str, model: str, api_key: str | None) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": "Say hello in five words."}],
+            "max_tokens": 32, "stream": True}
+    # double quotes: the key is usually given as "$PDSERVE_API_KEY" and should expand
+    auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
+    return (f"curl -N {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d {shlex.quote(json.dumps(body))}")
+
+
+def serve_forever(app: Application, cfg: ClusterConfig, opts: LocalOptions) -> None:
+    """Run ``app`` until Ctrl-C, then shut Serve and Ray down."""
+    import ray
+    from ray import serve
+
+    start_ray(cluster_cpus(cfg), opts.temp_dir)
+    try:
+        serve.start(http_options={"host": opts.host, "port": opts.port})
+        serve.run(app, name=opts.app_name, route_prefix=opts.route_prefix, blocking=False)
+        shown = "127.0.0.1" if opts.host in ("0.0.0.0", "::") else opts.host
+        base = f"http://{shown}:{opts.port}{opts.route_prefix.rstrip('/')}"
+        key = cfg.router.api_keys[0] if cfg.router.api_keys else None
+        wait_ready(base, opts.ready_timeout_s, key)
+        print(f"pdserve is ready at {base} (model {cfg.name!r}, mode {cfg.mode}). Try:\n")
+        if key:
+            print("API keys are on: export PDSERVE_API_KEY=<one of your keys> first.")
+        print("  " + curl_example(base, cfg.name, "$PDSERVE_API_KEY" if key else None) + "\n")
+        print("Ctrl-C to stop.", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\nstopping pdserve ...", flush=True)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()

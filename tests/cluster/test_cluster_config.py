@@ -1,0 +1,124 @@
+"""ClusterConfig: the shipped YAMLs, environment handling, clear errors, the CLI's config command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+from cluster.config import ClusterConfig, ConfigError, Environment, application_args
+
+pytestmark = pytest.mark.timeout(60)
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+NO_ENV = Environment()
+
+
+def test_local_yaml() -> None:
+    cfg = ClusterConfig.from_yaml(DEPLOY / "local.yaml", NO_ENV)
+    assert cfg.mode == "disaggregated" and cfg.kv.transport == "gloo"
+    p, d, r = cfg.prefill_worker_config(), cfg.decode_worker_config(), cfg.router_config()
+    assert p.engine.device == "cpu" and p.engine.dtype == "float32" and p.kv.transport == "gloo"
+    assert p.engine.num_blocks == 256 and d.engine.num_blocks == 512 and d.mode == "disaggregated"
+    assert p.kv.secret and p.kv.secret == d.kv.secret
+    assert r.served_model_name == "smollm2-135m-instruct" and r.mode == "disaggregated" and r.api_keys == ()
+    assert r.max_model_len == 4096 == p.engine.max_model_len
+    assert cfg.total_cpus() <= 2
+
+
+def test_colocated_yaml() -> None:
+    cfg = ClusterConfig.from_yaml(DEPLOY / "local-colocated.yaml", NO_ENV)
+    d = cfg.decode_worker_config()
+    assert cfg.mode == "colocated" and d.mode == "colocated" and d.prefill_chunk_size == 512
+    assert cfg.router_config().mode == "colocated" and cfg.decode_policy() == "prefix_affinity"
+    assert "prefill" not in cfg.redacted()
+
+
+def test_gpu_yaml() -> None:
+    cfg = ClusterConfig.from_yaml(DEPLOY / "gpu.yaml", NO_ENV)
+    p, d = cfg.prefill_worker_config(), cfg.decode_worker_config()
+    assert cfg.kv.transport == "nccl" and cfg.prefill.num_gpus == 1 and cfg.decode.num_gpus == 1
+    assert p.engine.device == d.engine.device == "cuda" and p.engine.dtype == "bfloat16"
+    assert cfg.decode_policy() == "least_outstanding_tokens"
+
+
+def test_environment_fills_keys_secret_and_cache() -> None:
+    env = Environment.read({"PDSERVE_API_KEYS": "a, b,,", "PDSERVE_KV_SECRET": "s3cret",
+                            "PDSERVE_MODEL_CACHE": "/cache"})
+    assert env == Environment(api_keys=("a", "b"), kv_secret="s3cret", model_cache="/cache")
+    cfg = ClusterConfig.from_args({"router": {"api_keys": ["z", "a"]}}, env)
+    assert cfg.router.api_keys == ["z", "a", "b"] and cfg.kv.secret == "s3cret"
+    assert cfg.model_cache_dir == "/cache" and cfg.prefill_worker_config().model_cache_dir == "/cache"
+    configured = ClusterConfig.from_args({"kv": {"secret": "mine"}}, env)
+    assert configured.kv.secret == "mine"
+
+
+def test_random_secret_per_config_and_redaction() -> None:
+    a, b = ClusterConfig.from_args({}, NO_ENV), ClusterConfig.from_args({}, NO_ENV)
+    assert a.kv.secret and b.kv.secret and a.kv.secret != b.kv.secret and len(a.kv.secret) >= 32
+    cfg = ClusterConfig.from_args({"router": {"api_keys": ["k1"]}, "kv": {"secret": "x"}}, NO_ENV)
+    shown = json.dumps(cfg.redacted())
+    assert "k1" not in shown and '"x"' not in shown and "***" in shown
+    assert "k1" not in repr(cfg) and "k1" not in repr(cfg.router_config())
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    ({"decode": {"num_blockz": 5}}, "decode.num_blockz: unknown key (allowed: num_replicas"),
+    ({"modle": "x"}, "modle: unknown key (allowed: model,"),
+    ({"kv": {"transport": "nccl"}}, "needs engine.device='cuda'"),
+    ({"engine": {"device": "cuda"}, "kv": {"transport": "nccl"}}, "needs decode.num_gpus > 0"),
+    ({"engine": {"device": "cuda"}, "decode": {"num_gpus": 1}}, "needs prefill.num_gpus > 0"),
+    ({"kv": {"transport": "tcp"}}, "kv.transport"),
+    ({"engine": {"dtype": "int3"}}, "unknown dtype"),
+    ({"engine": {"device": "tpu"}}, "device must be"),
+    ({"prefill": {"num_replicas": 0}}, "prefill.num_replicas"),
+    ({"decode": {"prefill_chunk_size": 64}}, "applies to mode='colocated' only"),
+    ({"mode": "split"}, "mode"),
+    ({"router": {"api_keys": [""]}}, "non-empty"),
+    ({"limits": {"max_model_len": 1}}, "limits.max_model_len"),
+])
+def test_bad_configs_say_what_and_where(args: dict[str, object], needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig.from_args(args, NO_ENV, source="test.yaml")
+    assert needle in str(e.value) and str(e.value).startswith("test.yaml: invalid pdserve config")
+
+
+def test_colocated_ignores_gpu_rules_for_the_missing_prefill_pool() -> None:
+    cfg = ClusterConfig.from_args({"mode": "colocated", "engine": {"device": "cuda"},
+                                   "decode": {"num_gpus": 1}}, NO_ENV)
+    assert cfg.decode_worker_config().engine.device == "cuda"
+
+
+def test_yaml_file_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        application_args(bad)
+    bad.write_text("applications:\n  - import_path: other:app\n")
+    with pytest.raises(ConfigError, match="exactly one application"):
+        application_args(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        application_args(tmp_path / "missing.yaml")
+
+
+def test_cli_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "--config", str(DEPLOY / "gpu.yaml")]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["kv"]["transport"] == "nccl" and shown["kv"]["secret"] == "***"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications:\n  - import_path: cluster.app:build_app\n    args: {decode: {x: 1}}\n")
+    assert main(["config", "--config", str(bad)]) == 2
+    assert "decode.x: unknown key" in capsys.readouterr().err
+
+
+def test_build_app_is_a_serve_builder_and_builds_without_starting() -> None:
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from cluster.app import build_app
+
+    for name in ("local.yaml", "local-colocated.yaml", "gpu.yaml"):
+        app = call_user_app_builder_with_args_if_necessary(build_app, application_args(DEPLOY / name))
+        assert isinstance(app, Application)
