@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 import torch
@@ -174,8 +174,9 @@ class KVPuller:
         else:
             staging = staging_tensor(cache, n_blocks)
             into = [staging]
-        await run_bounded(self._executor, self._left(deadline), f"receiving {tid} from {handle.source}",
-                          _open_and_recv, transport, ready.transport_info, into, self._left(deadline))
+        await self._recv_watching(conn, tid, run_bounded(
+            self._executor, self._left(deadline), f"receiving {tid} from {handle.source}",
+            _open_and_recv, transport, ready.transport_info, into, self._left(deadline)), deadline)
         if staging is not None:
             await run_to_completion(self._executor, cache.scatter_blocks, blocks, staging)
             del staging, into
@@ -185,6 +186,29 @@ class KVPuller:
         if not isinstance(ack, Ack) or ack.transfer_id != tid:
             raise TransferError(f"pull {tid}: expected ack, got {ack.TYPE}")
         return PullStats(transfer_id=tid, nbytes=ready.nbytes, seconds=seconds, n_blocks=n_blocks)
+
+    async def _recv_watching(self, conn: _Conn, tid: str, work: Awaitable[None], deadline: float) -> None:
+        """Await the data-plane receive while watching the control connection.
+
+        The source says nothing during a transfer, so anything there (EOF above all: the source
+        died) means it gave up; the data plane may only notice at its timeout. Cancelling the
+        watch is safe: with nothing sent, no frame is half-read.
+        """
+        recv = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(recv_message(conn.reader, timeout_s=self._left(deadline)))
+        try:
+            finished, _ = await asyncio.wait({recv, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if recv not in finished:
+                exc = watch.exception()
+                what = str(exc) if exc is not None else f"an unexpected {watch.result().TYPE} message"
+                if isinstance(exc, TransferTimeout):
+                    raise exc
+                raise TransferError(f"source {conn.server_id} gave up during {tid}: {what}")
+            recv.result()
+        finally:
+            for f in (recv, watch):
+                if not f.done():
+                    f.cancel()
 
     # --- connections --------------------------------------------------------------------------
 

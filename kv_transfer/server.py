@@ -42,7 +42,7 @@ from kv_transfer.errors import AuthError, CodecError, ConnectionClosed, Transfer
 from kv_transfer.framing import recv_message, send_message
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
-from kv_transfer.messages import Ack, Done, Error, Hello, Pull, PullReady, Release
+from kv_transfer.messages import Ack, Done, Error, Hello, Message, Pull, PullReady, Release
 from kv_transfer.outbox import Outbox, OutboxStats
 from kv_transfer.transport import (
     SOURCE_RANK,
@@ -305,10 +305,8 @@ class KVSource:
             t0 = time.monotonic()
             tensors = await run_to_completion(self._executor, source_tensors, self.cache,
                                               list(entry.block_ids[:n_blocks]), msg.dst_runs)
-            await run_bounded(self._executor, cfg.transfer_timeout_s, f"sending {tid} to {pair.peer}",
-                              _open_and_send, transport, new_offer, tensors, cfg.transfer_timeout_s)
+            done = await self._send_and_await_done(pair, tid, transport, new_offer, tensors, reader)
             del tensors
-            done = await recv_message(reader, timeout_s=cfg.transfer_timeout_s)
             if not isinstance(done, Done) or done.transfer_id != tid:
                 raise TransferError(f"expected done for {tid}, got {done.TYPE}")
             self.outbox.done(tid)
@@ -325,6 +323,30 @@ class KVSource:
         finally:
             if not ok:
                 self.outbox.requeue(tid)
+
+    async def _send_and_await_done(self, pair: _Pair, tid: str, transport: KVTransport,
+                                   offer: TransportInfo | None, tensors: list[torch.Tensor],
+                                   reader: asyncio.StreamReader) -> Message:
+        """Send on the data plane while already reading the control channel for DONE.
+
+        The control connection is the liveness signal: a destination that dies closes it at once,
+        while the data plane may only notice at its timeout. DONE can also arrive before the send's
+        own completion is observed; both are awaited then.
+        """
+        timeout = self.config.transfer_timeout_s
+        send = asyncio.ensure_future(run_bounded(self._executor, timeout, f"sending {tid} to {pair.peer}",
+                                                 _open_and_send, transport, offer, tensors, timeout))
+        reply = asyncio.ensure_future(recv_message(reader, timeout_s=timeout))
+        try:
+            finished, _ = await asyncio.wait({send, reply}, return_when=asyncio.FIRST_COMPLETED)
+            if reply in finished and reply.exception() is not None:
+                raise TransferError(f"destination {pair.peer} gave up during {tid}: {reply.exception()}")
+            await send
+            return await reply
+        finally:
+            for f in (send, reply):
+                if not f.done():
+                    f.cancel()
 
     async def _refuse(self, writer: asyncio.StreamWriter, tid: str, reason: str) -> None:
         self._n["refused"] += 1

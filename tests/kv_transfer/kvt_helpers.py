@@ -23,7 +23,7 @@ def make_cache(layout: KVLayout, num_blocks: int, seed: int | None = None) -> KV
     def one() -> torch.Tensor:
         if g is None:
             return torch.zeros(shape, dtype=layout.torch_dtype)
-        return torch.randn(shape, generator=g).to(layout.torch_dtype)
+        return torch.rand(shape, generator=g).to(layout.torch_dtype)
 
     return KVCache(k=[one() for _ in range(layout.num_layers)], v=[one() for _ in range(layout.num_layers)],
                    block_size=layout.block_size)

@@ -113,7 +113,7 @@ def test_handle_constructor_validates() -> None:
         handle(n_tokens=0)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=600))
 def test_random_bytes_only_codec_error(data: bytes) -> None:
     for decode in (decode_handle, decode_message):
@@ -131,7 +131,7 @@ json_like = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.dictionaries(st.sampled_from(["v", "type", "transfer_id", "source_host", "source_port", "n_tokens",
                                         "layout", "expires_at", "dst_layout", "n_blocks", "transport",
                                         "transport_info", "dst_runs", "nonce", "mac", "code", "reason"]),

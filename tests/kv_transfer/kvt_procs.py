@@ -1,0 +1,238 @@
+"""Source and destination OS processes for the two-process tests (and their typed commands).
+
+Each process runs one asyncio loop with a `KVSource` (prefill side) or a `KVPuller` (decode side)
+and obeys typed commands from the parent over a `multiprocessing` pipe. Block books are a plain
+shuffled free list, so block ids are scattered like a real pool's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing as mp
+import random
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from kv_transfer.client import KVPuller, PullerConfig
+from kv_transfer.handle import KVHandle
+from kv_transfer.layout import KVLayout
+from kv_transfer.outbox import Outbox
+from kv_transfer.server import KVSource, SourceConfig, SourceStats
+
+from .kvt_helpers import SECRET, digest, make_cache
+
+# --- commands and replies -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Started:
+    address: tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Offer:
+    n_tokens: int
+    count: int = 1
+    lease_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Offered:
+    handle: KVHandle
+    digest: str  # of the blocks that will travel, taken at offer time
+
+
+@dataclass(frozen=True)
+class GetStats:
+    pass
+
+
+@dataclass(frozen=True)
+class SourceReport:
+    stats: SourceStats
+    leftovers: str | None  # Outbox.check_empty's complaint, None when empty
+    free_blocks: int
+
+
+@dataclass(frozen=True)
+class PullAll:
+    """Pull every handle concurrently; optionally with another secret or (lying) layout."""
+
+    handles: tuple[KVHandle, ...]
+    timeout_s: float = 20.0
+    secret: bytes | None = None
+    layout: KVLayout | None = None  # pull as this layout, and claim the handle has it too
+
+
+@dataclass(frozen=True)
+class Outcome:
+    transfer_id: str
+    digest: str | None
+    error: str | None  # exception class name
+    message: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Release:
+    handles: tuple[KVHandle, ...]
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+# --- source process -------------------------------------------------------------------------------
+
+
+def source_main(conn: Connection, layout: KVLayout, num_blocks: int, seed: int, transport: str = "gloo") -> None:
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(_source(conn, layout, num_blocks, seed, transport))
+
+
+async def _source(conn: Connection, layout: KVLayout, num_blocks: int, seed: int, transport: str) -> None:
+    cache = make_cache(layout, num_blocks, seed=seed)
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    outbox = Outbox(free.extend, default_lease_s=30)
+    server = KVSource(cache, outbox, SECRET, layout,
+                      SourceConfig(host="127.0.0.1", transport=transport, expire_interval_s=0.05))
+    await server.start()
+    conn.send(Started(server.address))
+    while True:
+        try:
+            cmd = await asyncio.to_thread(conn.recv)
+        except EOFError:  # the parent is gone
+            break
+        if isinstance(cmd, Offer):
+            out = []
+            for _ in range(cmd.count):
+                n = layout.blocks_for_tokens(cmd.n_tokens)
+                blocks = [free.pop() for _ in range(n)]
+                h = server.offer(None, blocks, cmd.n_tokens, lease_s=cmd.lease_s)
+                out.append(Offered(h, digest(cache, blocks)))
+            conn.send(out)
+        elif isinstance(cmd, GetStats):
+            try:
+                outbox.check_empty()
+                leftovers = None
+            except AssertionError as e:
+                leftovers = str(e)
+            conn.send(SourceReport(server.stats(), leftovers, len(free)))
+        elif isinstance(cmd, Stop):
+            break
+    await server.stop()
+    conn.send("stopped")
+
+
+# --- destination process --------------------------------------------------------------------------
+
+
+def dest_main(conn: Connection, layout: KVLayout, num_blocks: int) -> None:
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(_dest(conn, layout, num_blocks))
+
+
+async def _dest(conn: Connection, layout: KVLayout, num_blocks: int) -> None:
+    cache = make_cache(layout, num_blocks)
+    free = list(range(num_blocks))
+    random.Random(0).shuffle(free)
+    puller = KVPuller(SECRET, layout, PullerConfig(host="127.0.0.1"))
+    conn.send(Started(("127.0.0.1", 0)))
+    while True:
+        try:
+            cmd = await asyncio.to_thread(conn.recv)
+        except EOFError:
+            break
+        if isinstance(cmd, PullAll):
+            if cmd.secret is None and cmd.layout is None:
+                outcomes = await asyncio.gather(*(_pull(puller, h, cache, free, cmd.timeout_s) for h in cmd.handles))
+            else:  # a one-off puller: another secret, or another model's layout
+                lay = cmd.layout or layout
+                other = KVPuller(cmd.secret or SECRET, lay, PullerConfig(host="127.0.0.1"))
+                other_cache = make_cache(lay, 64)
+                handles = [dataclasses.replace(h, layout=lay) for h in cmd.handles]
+                outcomes = await asyncio.gather(*(_pull(other, h, other_cache, list(range(64)), cmd.timeout_s)
+                                                  for h in handles))
+                await other.close()
+            conn.send(list(outcomes))
+        elif isinstance(cmd, Release):
+            for h in cmd.handles:
+                await puller.release(h)
+            conn.send("released")
+        elif isinstance(cmd, Stop):
+            break
+    await puller.close()
+    conn.send("stopped")
+
+
+async def _pull(puller: KVPuller, h: KVHandle, cache: Any, free: list[int], timeout_s: float) -> Outcome:
+    blocks = [free.pop() for _ in range(h.n_blocks)]
+    t0 = time.monotonic()
+    try:
+        await puller.pull(h, cache, blocks, timeout_s=timeout_s)
+        return Outcome(h.transfer_id, digest(cache, blocks), None, "", time.monotonic() - t0)
+    except Exception as e:
+        return Outcome(h.transfer_id, None, type(e).__name__, str(e), time.monotonic() - t0)
+    finally:
+        free.extend(blocks)
+
+
+# --- parent side ----------------------------------------------------------------------------------
+
+
+class Proc:
+    """A spawned child with a command pipe; every wait has a deadline, cleanup always kills."""
+
+    def __init__(self, target: Any, *args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        child.close()
+        self.address: tuple[str, int] | None = None
+
+    def ready(self, timeout_s: float = 60.0) -> Proc:
+        """Wait for the child's Started message (spawn + torch import + cache setup)."""
+        started = self.recv(timeout_s)
+        assert isinstance(started, Started), started
+        self.address = started.address
+        return self
+
+    def send(self, cmd: object) -> None:
+        self.conn.send(cmd)
+
+    def recv(self, timeout_s: float) -> Any:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"child {self.proc.pid} did not answer within {timeout_s}s")
+        return self.conn.recv()
+
+    def call(self, cmd: object, timeout_s: float = 60.0) -> Any:
+        self.send(cmd)
+        return self.recv(timeout_s)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call(Stop(), timeout_s=15)
+        except (OSError, EOFError, TimeoutError):
+            pass
+        finally:
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.kill()
+            self.conn.close()
