@@ -184,6 +184,7 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     enable_prefix_cache: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    cpu_affinity: tuple[int, ...] = ()  # pin this process to these cores (benchmarks on small machines)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @cached_property

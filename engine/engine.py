@@ -11,6 +11,7 @@ never exceeds the model's positions; loading either returns a complete engine or
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,8 @@ class Engine:
     @classmethod
     def from_dir(cls, model_dir: str | Path, config: EngineConfig) -> Engine:
         model_dir = Path(model_dir)
+        if config.cpu_affinity:
+            os.sched_setaffinity(0, set(config.cpu_affinity))
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         mcfg = ModelConfig.from_dir(model_dir)

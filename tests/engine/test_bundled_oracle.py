@@ -43,7 +43,6 @@ def test_greedy_32_tokens_equal_transformers(smollm_dir: Path) -> None:
             )[0, len(ids):].tolist()
         assert ours.token_ids == ref, (prompt, tok.decode(ours.token_ids), tok.decode(ref))
     assert eng.pool.num_free_blocks == eng.pool.num_blocks
-    answer = tok.decode(
-        generate(eng, tok.encode_chat([{"role": "user", "content": PROMPTS[0]}]), SamplingParams(max_tokens=16)).token_ids
-    )
+    chat = tok.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    answer = tok.decode(generate(eng, chat, SamplingParams(max_tokens=16)).token_ids)
     assert "Paris" in answer
