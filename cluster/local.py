@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -77,10 +78,14 @@ def curl_example(base_url: str, model: str, api_key: str | None) -> str:
 
 
 def serve_forever(app: Application, cfg: ClusterConfig, opts: LocalOptions) -> None:
-    """Run ``app`` until Ctrl-C, then shut Serve and Ray down."""
+    """Run ``app`` until Ctrl-C or SIGTERM, then shut Serve and Ray down."""
     import ray
     from ray import serve
 
+    def _on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM (docker stop, kill) shuts down like Ctrl-C
+
+    signal.signal(signal.SIGTERM, _on_term)
     start_ray(cluster_cpus(cfg), opts.temp_dir)
     try:
         serve.start(http_options={"host": opts.host, "port": opts.port})
@@ -99,7 +104,13 @@ def serve_forever(app: Application, cfg: ClusterConfig, opts: LocalOptions) -> N
     except KeyboardInterrupt:
         print("\nstopping pdserve ...", flush=True)
     finally:
+        # A second Ctrl-C must not cut the shutdown short and leave replicas running.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             serve.shutdown()
+        except Exception as e:  # Ray may already be going down; still stop it below
+            print(f"serve.shutdown() failed: {e!r}", flush=True)
         finally:
             ray.shutdown()
+            signal.signal(signal.SIGINT, previous)

@@ -71,7 +71,13 @@ class EngineTextCodec:
         return self._tok.encode(text)
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return self._tok.encode_chat(list(messages), add_generation_prompt=True)
+        """Raises ValueError for conversations the template refuses (its ``raise_exception``)."""
+        import jinja2
+
+        try:
+            return self._tok.encode_chat(list(messages), add_generation_prompt=True)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template: {e}") from None
 
     def token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 MODEL = "fake-model"
 KEYS = ("key-one", "key-two")
 MAX_LEN = 200
+MARKER_DIR = Path(tempfile.mkdtemp(prefix="pdserve-fake-"))  # the crashing fake leaves its marker here
 
 
 def _free_port() -> int:
@@ -48,14 +50,14 @@ def _pool(cls: type, name: str, replicas: int, policy: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def base() -> Iterator[str]:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     cloudpickle.register_pickle_by_value(pd_fakes)
     port = _free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        fake_cfg = FakeConfig(marker_dir=str(tmp_path_factory.mktemp("marker")))
+        fake_cfg = FakeConfig(marker_dir=str(MARKER_DIR))
         common = {"served_model_name": MODEL, "model": "unused", "max_model_len": MAX_LEN,
                   "codec_factory": fake_codec, "token_timeout_s": 10.0}
         pd = Router.options(name="router").bind(
@@ -252,9 +254,10 @@ def test_client_disconnect_cancels_the_decode_stream(base: str) -> None:
         time.sleep(0.2)
 
 
-def test_prefill_crash_is_retried_once(client: openai.OpenAI, tmp_path: Path) -> None:
+def test_prefill_crash_is_retried_once(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="CRASH1abc", max_tokens=3)
     assert r.choices[0].text == "def"
+    assert (MARKER_DIR / "pdserve-fake-crash1").exists()  # a replica really died on the first try
 
 
 def test_metrics_after_traffic(base: str, client: openai.OpenAI) -> None:

@@ -1,0 +1,48 @@
+"""`EngineTextCodec` over the bundled model's real tokenizer (skipped where it cannot be prepared)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+import pytest
+
+from router.codec import EngineTextCodec, TextCodec, load_codec
+from router.config import RouterConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def codec() -> TextCodec:
+    try:
+        return load_codec(RouterConfig())
+    except Exception as e:  # the bundled model package is an install-time extra
+        pytest.skip(f"bundled model not available: {e}")
+
+
+def test_chat_template_and_eos(codec: TextCodec) -> None:
+    ids = codec.encode_chat([{"role": "user", "content": "Hello!"}])
+    assert ids and codec.max_model_len and codec.max_model_len >= 2048
+    im_end = codec.encode("<|im_end|>")
+    assert len(im_end) == 1 and im_end[0] in codec.eos_token_ids
+    assert codec.vocab_size > max(ids)
+
+
+def test_incremental_detokenizer_round_trip(codec: TextCodec) -> None:
+    text = "Héllo, wörld! 日本語 🙂 done."
+    detok = codec.detokenizer()
+    out = "".join(detok.push(t) for t in codec.encode(text)) + detok.flush()
+    assert out == text
+    assert "".join(codec.token_text(t) for t in codec.encode("plain words")) == "plain words"
+
+
+def test_template_refusal_is_a_value_error(codec: TextCodec, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(codec, EngineTextCodec)
+
+    def refuse(*_: Any, **__: Any) -> list[int]:
+        raise jinja2.TemplateError("Conversation roles must alternate")
+
+    monkeypatch.setattr(codec._tok, "encode_chat", refuse)
+    with pytest.raises(ValueError, match="roles must alternate"):
+        codec.encode_chat([{"role": "user", "content": "x"}])
