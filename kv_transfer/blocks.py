@@ -1,10 +1,7 @@
-"""Which tensors travel for a transfer: the mapping between cache blocks and the data plane's tensor lists.
+"""Which tensors travel in direct mode, and the block-run arithmetic behind it.
 
-Owns: the order in which a transfer's bytes are laid out on the wire, for both receive modes:
+Owns: the wire order of direct transfers (the staging mode, gloo / local, is in `streams.py`):
 
-- staging (``direct = False``, gloo / local): the source sends ONE tensor, `KVCache.gather_blocks`
-  of the blocks: ``[num_layers, 2, n_blocks, block_size, kv_heads, head_dim]``; the destination
-  receives it into a staging tensor of that shape, then `KVCache.scatter_blocks` into its blocks.
 - direct (``direct = True``, nccl): the destination's block ids are cut into runs of consecutive
   ids; for each layer, for K then V, for each run, one tensor travels:
   ``[run_len, block_size, kv_heads, head_dim]``, a slice of the gathered tensor on the source and a
@@ -61,12 +58,6 @@ def source_tensors(cache: KVCache, block_ids: Sequence[int], runs: Sequence[int]
                 out.append(data[layer, kv, off:off + n])  # [n, bs, H, D], contiguous
                 off += n
     return out
-
-
-def staging_tensor(cache: KVCache, n_blocks: int) -> torch.Tensor:
-    """Receive buffer for the staging mode: ``[L, 2, n_blocks, bs, H, D]``."""
-    return torch.empty((cache.num_layers, 2, n_blocks, *cache.block_shape), dtype=cache.dtype,
-                       device=cache.device)
 
 
 def direct_views(cache: KVCache, block_ids: Sequence[int]) -> list[torch.Tensor]:

@@ -7,22 +7,24 @@ Life cycle of a pull (the decode scheduler reserved ``dst_block_ids`` first):
       ─▶ per-source lock (one transfer at a time per pair; other sources run concurrently)
       ─▶ cached connection, or connect + CHALLENGE / HELLO / WELCOME
       ─▶ PULL ─▶ PULL_READY | ERROR{refused} (→ TransferRefused, the connection stays)
-      ─▶ open the pair if new; receive (worker thread, bounded): into a staging tensor, then
-         scatter into the blocks (run to completion), or straight into the blocks (direct transports)
+      ─▶ open the pair if new; receive (worker thread, bounded): layer by layer through a small
+         ring, scattered into the blocks while the next layers arrive (streams.py), or straight
+         into the blocks (direct transports)
       ─▶ DONE ─▶ ACK (the source has freed its copy) ─▶ PullStats
 
 Invariants: everything happens within ``timeout_s`` or raises `TransferTimeout`; the event loop
 never blocks (receive, scatter, open and close run in a dedicated executor); any failure other
 than a refusal tears down that source's connection and pair (rebuilt by the next pull), so a dead
 or silent source leaves nothing hanging and never affects pulls from other sources; a cancelled
-pull never writes the blocks after it returns (scatter runs to completion; direct transports are
-aborted); the destination's blocks hold valid data only if `pull` returned.
+pull never writes the blocks after it returns (the scatter stream is cancelled; direct transports
+are aborted); the destination's blocks hold valid data only if `pull` returned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -32,14 +34,15 @@ import torch
 
 from engine.kv_cache import KVCache
 from kv_transfer.auth import check_secret, make_hello, verify_welcome
-from kv_transfer.blocking import make_executor, run_bounded, run_to_completion
-from kv_transfer.blocks import direct_views, run_lengths, staging_tensor
+from kv_transfer.blocking import make_executor, run_bounded
+from kv_transfer.blocks import direct_views, run_lengths
 from kv_transfer.errors import AuthError, ConnectionClosed, TransferError, TransferRefused, TransferTimeout
 from kv_transfer.framing import recv_message, send_message
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from kv_transfer.messages import Ack, Challenge, Done, Error, Message, Pull, PullReady, Release, Welcome
 from kv_transfer.server import default_node_id, node_ip
+from kv_transfer.streams import BufferPool, ScatterStream
 from kv_transfer.transport import DEST_RANK, KVTransport, TransportInfo, check_transport_available, make_transport
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class PullerConfig:
     close_timeout_s: float = 10.0
     pair_timeout_s: float = 60.0  # ceiling for a pair's own waits; each pull's deadline is tighter
     max_threads: int = 8
+    buffer_pool_bytes: int = 64 << 20  # reusable ring buffers of the layer streams
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class KVPuller:
         self._conns: dict[tuple[str, int], _Conn] = {}
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._executor = make_executor("kv-puller", config.max_threads)
+        self._pool = BufferPool(config.buffer_pool_bytes)
         self._closed = False
 
     # --- public -------------------------------------------------------------------------------
@@ -168,18 +173,21 @@ class KVPuller:
                 transport.close()  # never opened: nothing to wait for
             raise
         t0 = time.monotonic()
-        if transport.direct:
-            into = direct_views(cache, blocks)
-            staging = None
-        else:
-            staging = staging_tensor(cache, n_blocks)
-            into = [staging]
-        await self._recv_watching(conn, tid, run_bounded(
-            self._executor, self._left(deadline), f"receiving {tid} from {handle.source}",
-            _open_and_recv, transport, ready.transport_info, into, self._left(deadline)), deadline)
-        if staging is not None:
-            await run_to_completion(self._executor, cache.scatter_blocks, blocks, staging)
-            del staging, into
+        left = self._left(deadline)
+        stream: ScatterStream | None = None
+        if transport.direct:  # straight into the blocks
+            work = functools.partial(_open_and_recv, transport, ready.transport_info,
+                                     direct_views(cache, blocks), left)
+        else:  # layer by layer through a small ring, scattering while the wire runs
+            stream = ScatterStream(cache, blocks, self._pool)
+            work = functools.partial(_open_and_recv_stream, transport, ready.transport_info, stream, left)
+        try:
+            await self._recv_watching(conn, tid, run_bounded(
+                self._executor, left, f"receiving {tid} from {handle.source}", work), deadline)
+        except BaseException:
+            if stream is not None:
+                stream.cancel()  # blocks are never written after this returns (≤ one layer's copy)
+            raise
         seconds = time.monotonic() - t0
         await send_message(conn.writer, Done(tid, ready.nbytes, seconds), timeout_s=self._left(deadline))
         ack = await self._recv(conn, deadline)
@@ -302,6 +310,15 @@ def _open_and_recv(transport: KVTransport, offer: TransportInfo | None, into: li
     if offer is not None:
         transport.open(offer, timeout_s)
     transport.recv(into, max(deadline - time.monotonic(), 0.001))
+
+
+def _open_and_recv_stream(transport: KVTransport, offer: TransportInfo | None, stream: ScatterStream,
+                          timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    if offer is not None:
+        transport.open(offer, timeout_s)
+    transport.recv_stream(stream, max(deadline - time.monotonic(), 0.001))
+    stream.complete()
 
 
 def _check_block_ids(ids: list[int], need: int, num_blocks: int) -> list[int]:

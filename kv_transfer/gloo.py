@@ -28,14 +28,21 @@ import datetime
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from kv_transfer.errors import TransferError, TransferTimeout
-from kv_transfer.transport import SOURCE_RANK, KVTransport, TransportInfo, check_contiguous
+from kv_transfer.transport import (
+    SOURCE_RANK,
+    ChunkSink,
+    ChunkSource,
+    KVTransport,
+    TransportInfo,
+    check_contiguous,
+)
 
 _PREFIX = "pdserve-kv"
 _PEER = {0: 1, 1: 0}
@@ -100,9 +107,67 @@ class GlooTransport(KVTransport):
         self._run("recv", into, timeout_s)
 
     def _run(self, op: str, tensors: Sequence[torch.Tensor], timeout_s: float) -> None:
-        pg = self._group()
+        pg, peer, wait = self._group(), _PEER[self.rank], self._waiter(op, timeout_s)
+        try:
+            # Gloo aborts the whole process when a message is larger than the posted receive, so a
+            # fixed-size header (tag 0) goes first, and the receiver posts the data receives only if
+            # it matches exactly; a mismatched sender then just times out. Raw bytes: gloo never sees
+            # (or converts) the dtype. Ops on a pair are serialized, so tags repeat across transfers.
+            header = _header(tensors)
+            if op == "send":
+                works = [pg.send([header], peer, 0)]
+                works += [pg.send([_bytes(t)], peer, tag) for tag, t in enumerate(tensors, start=1)]
+            else:
+                theirs = torch.empty_like(header)
+                wait(pg.recv([theirs], peer, 0))
+                _check_header(theirs, header)
+                works = [pg.recv([_bytes(t)], peer, tag) for tag, t in enumerate(tensors, start=1)]
+            for w in works:
+                wait(w)
+        except Exception as e:
+            self._broken = True
+            raise _wrap(e, f"gloo: {op} of {len(tensors)} tensor(s)") from None
+
+    def send_stream(self, stream: ChunkSource, timeout_s: float) -> None:
+        """Fill chunk i+1 while gloo's I/O thread sends chunk i; a slot is refilled only after its
+        previous chunk's send completed."""
+        pg, peer, wait = self._group(), _PEER[self.rank], self._waiter("send", timeout_s)
+        try:
+            header = _header([stream.buffer(0)] * stream.count)
+            pending = {-1: pg.send([header], peer, 0)}
+            for i in range(stream.count):
+                if i >= stream.window:
+                    wait(pending.pop(i - stream.window))
+                stream.fill(i)
+                pending[i] = pg.send([_bytes(stream.buffer(i))], peer, 1 + i)
+            for w in pending.values():
+                wait(w)
+        except Exception as e:
+            self._broken = True
+            raise _wrap(e, f"gloo: streaming {stream.count} chunk(s)") from None
+
+    def recv_stream(self, stream: ChunkSink, timeout_s: float) -> None:
+        """Keep ``window`` receives posted; drain chunk i while chunks i+1.. arrive."""
+        pg, peer, wait = self._group(), _PEER[self.rank], self._waiter("recv", timeout_s)
+        try:
+            header = _header([stream.buffer(0)] * stream.count)
+            theirs = torch.empty_like(header)
+            wait(pg.recv([theirs], peer, 0))
+            _check_header(theirs, header)
+            posted = {i: pg.recv([_bytes(stream.buffer(i))], peer, 1 + i)
+                      for i in range(min(stream.window, stream.count))}
+            for i in range(stream.count):
+                wait(posted.pop(i))
+                stream.drain(i)
+                if i + stream.window < stream.count:
+                    j = i + stream.window
+                    posted[j] = pg.recv([_bytes(stream.buffer(j))], peer, 1 + j)
+        except Exception as e:
+            self._broken = True
+            raise _wrap(e, f"gloo: receiving a stream of {stream.count} chunk(s)") from None
+
+    def _waiter(self, op: str, timeout_s: float) -> Callable[[Any], None]:
         deadline = time.monotonic() + timeout_s
-        peer = _PEER[self.rank]
 
         def wait(w: Any) -> None:
             left = deadline - time.monotonic()
@@ -110,28 +175,7 @@ class GlooTransport(KVTransport):
                 raise TransferTimeout(f"gloo: {op} timed out after {timeout_s:.1f}s")
             w.wait(_td(left))
 
-        try:
-            # Gloo aborts the whole process when a message is larger than the posted receive, so a
-            # fixed-size header (tag 0) goes first, and the receiver posts the data receives only if
-            # it matches exactly; a mismatched sender then just times out. Raw bytes: gloo never sees
-            # (or converts) the dtype. Ops on a pair are serialized, so tags repeat across transfers.
-            header = _header(tensors)
-            flat = [t.view(-1).view(torch.uint8) for t in tensors]
-            if op == "send":
-                works = [pg.send([header], peer, 0)]
-                works += [pg.send([t], peer, tag) for tag, t in enumerate(flat, start=1)]
-            else:
-                theirs = torch.empty_like(header)
-                wait(pg.recv([theirs], peer, 0))
-                if not torch.equal(theirs, header):
-                    raise TransferError(f"gloo: sender announced {theirs.tolist()} (tensors, bytes, digest), "
-                                        f"receiver expects {header.tolist()}")
-                works = [pg.recv([t], peer, tag) for tag, t in enumerate(flat, start=1)]
-            for w in works:
-                wait(w)
-        except Exception as e:
-            self._broken = True
-            raise _wrap(e, f"gloo: {op} of {len(tensors)} tensor(s)") from None
+        return wait
 
     def close(self) -> None:
         # Dropping the references destroys the group (and its sockets) and the store; a worker
@@ -152,6 +196,16 @@ def _header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for n in sizes:
         digest = (digest * 1_000_003 + n) % (1 << 61)
     return torch.tensor([len(sizes), sum(sizes), digest], dtype=torch.int64)
+
+
+def _check_header(theirs: torch.Tensor, ours: torch.Tensor) -> None:
+    if not torch.equal(theirs, ours):
+        raise TransferError(f"gloo: sender announced {theirs.tolist()} (tensors, bytes, digest), "
+                            f"receiver expects {ours.tolist()}")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)
 
 
 def _td(seconds: float) -> datetime.timedelta:

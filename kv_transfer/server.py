@@ -6,8 +6,9 @@ Life cycle of a transfer on the source:
     decode connects ─▶ CHALLENGE / HELLO / WELCOME (auth.py) ─▶ a pair (this connection)
     PULL ─▶ layout + transport checks ─▶ take_for_transfer (IN FLIGHT)
          ─▶ PULL_READY (with the transport offer if the pair is new)
-         ─▶ gather the ceil(n_tokens / block_size) blocks (worker thread, run to completion)
-         ─▶ open the pair if new, send (worker thread, bounded)
+         ─▶ open the pair if new; send the ceil(n_tokens / block_size) blocks (worker thread,
+            bounded): gathered layer by layer while the wire runs (streams.py), or, for direct
+            transports, gathered at once (run to completion) then sent
          ─▶ DONE ─▶ outbox.done (blocks freed) ─▶ ACK
     any failure after take ─▶ outbox.requeue (back under its lease) and the pair is torn down
     RELEASE ─▶ outbox.release ─▶ ACK;  lease runs out ─▶ the expiry task frees the blocks
@@ -16,20 +17,23 @@ Invariants: the event loop never blocks (gather/send/open/close run in a dedicat
 transfers on one pair are serialized (one connection = one pair, its handler is sequential and
 holds the pair's lock); different pairs run concurrently; a peer that is slow, silent, garbage or
 unauthenticated costs at most its timeouts and never affects other pairs; every refusal is an
-``Error`` frame with a reason; blocks are only read inside `run_to_completion`, so nothing freed is
-read after a cancellation.
+``Error`` frame with a reason; blocks are read only while their entry is in flight (the stream is
+cancelled, or the gather ran to completion, before a failed entry is requeued); the control
+connection is read during the data plane, so a destination that dies fails the transfer at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +48,7 @@ from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from kv_transfer.messages import Ack, Done, Error, Hello, Message, Pull, PullReady, Release
 from kv_transfer.outbox import Outbox, OutboxStats
+from kv_transfer.streams import BufferPool, GatherStream
 from kv_transfer.transport import (
     SOURCE_RANK,
     KVTransport,
@@ -81,6 +86,7 @@ class SourceConfig:
     transfer_timeout_s: float = 60.0  # pair open + send, and the wait for DONE
     max_connections: int = 256
     max_threads: int = 8
+    buffer_pool_bytes: int = 64 << 20  # reusable ring buffers of the layer streams
     max_clock_skew_s: float = DEFAULT_MAX_SKEW_S
 
 
@@ -125,6 +131,7 @@ class KVSource:
         self._pairs: set[_Pair] = set()
         self._tasks: set[asyncio.Task[object]] = set()
         self._executor = make_executor("kv-source", config.max_threads)
+        self._pool = BufferPool(config.buffer_pool_bytes)
         self._port = 0
         self._n = {"transfers": 0, "bytes": 0, "refused": 0, "failed": 0, "auth": 0}
         self._seconds = 0.0
@@ -279,6 +286,7 @@ class KVSource:
         except TransferRefused as e:
             return await self._refuse(writer, tid, e.reason)
         ok = False
+        stream: GatherStream | None = None
         try:
             n_blocks = self.layout.blocks_for_tokens(entry.n_tokens)
             new_offer: TransportInfo | None = None
@@ -303,10 +311,15 @@ class KVSource:
             await send_message(writer, PullReady(tid, entry.n_tokens, n_blocks, nbytes, new_offer),
                                timeout_s=cfg.io_timeout_s)
             t0 = time.monotonic()
-            tensors = await run_to_completion(self._executor, source_tensors, self.cache,
-                                              list(entry.block_ids[:n_blocks]), msg.dst_runs)
-            done = await self._send_and_await_done(pair, tid, transport, new_offer, tensors, reader)
-            del tensors
+            blocks = list(entry.block_ids[:n_blocks])
+            timeout = cfg.transfer_timeout_s
+            if direct:  # one gather, then the runs (a device-side copy: cheap on a GPU)
+                tensors = await run_to_completion(self._executor, source_tensors, self.cache, blocks, msg.dst_runs)
+                work = functools.partial(_open_and_send, transport, new_offer, tensors, timeout)
+            else:  # layer by layer through a small ring, gathering while the wire runs
+                stream = GatherStream(self.cache, blocks, self._pool)
+                work = functools.partial(_open_and_send_stream, transport, new_offer, stream, timeout)
+            done = await self._send_and_await_done(pair, tid, work, reader)
             if not isinstance(done, Done) or done.transfer_id != tid:
                 raise TransferError(f"expected done for {tid}, got {done.TYPE}")
             self.outbox.done(tid)
@@ -322,10 +335,11 @@ class KVSource:
             raise  # the connection (and with it the pair) is torn down by the caller
         finally:
             if not ok:
+                if stream is not None:
+                    stream.cancel()  # no block is read after this returns (at most one layer's copy)
                 self.outbox.requeue(tid)
 
-    async def _send_and_await_done(self, pair: _Pair, tid: str, transport: KVTransport,
-                                   offer: TransportInfo | None, tensors: list[torch.Tensor],
+    async def _send_and_await_done(self, pair: _Pair, tid: str, work: Callable[[], None],
                                    reader: asyncio.StreamReader) -> Message:
         """Send on the data plane while already reading the control channel for DONE.
 
@@ -334,8 +348,7 @@ class KVSource:
         own completion is observed; both are awaited then.
         """
         timeout = self.config.transfer_timeout_s
-        send = asyncio.ensure_future(run_bounded(self._executor, timeout, f"sending {tid} to {pair.peer}",
-                                                 _open_and_send, transport, offer, tensors, timeout))
+        send = asyncio.ensure_future(run_bounded(self._executor, timeout, f"sending {tid} to {pair.peer}", work))
         reply = asyncio.ensure_future(recv_message(reader, timeout_s=timeout))
         try:
             finished, _ = await asyncio.wait({send, reply}, return_when=asyncio.FIRST_COMPLETED)
@@ -373,3 +386,12 @@ def _open_and_send(transport: KVTransport, offer: TransportInfo | None, tensors:
     if offer is not None:
         transport.open(offer, timeout_s)
     transport.send(tensors, max(deadline - time.monotonic(), 0.001))
+
+
+def _open_and_send_stream(transport: KVTransport, offer: TransportInfo | None, stream: GatherStream,
+                          timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    if offer is not None:
+        transport.open(offer, timeout_s)
+    transport.send_stream(stream, max(deadline - time.monotonic(), 0.001))
+    stream.complete()

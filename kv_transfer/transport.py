@@ -8,7 +8,8 @@ Life cycle of a pair (the control channel, `server.py` / `client.py`, carries th
                                                    offer = t.offer(peer_info)   # may refuse the pair
                                             ◀──    PULL_READY{transport_info = offer}
     t.open(offer, timeout)  (both block, in worker threads, until the pair is connected)  t.open(offer, timeout)
-    t.recv(into, timeout)                   ◀══    t.send(tensors, timeout)   (once per transfer)
+    t.recv(into, timeout)                   ◀══    t.send(tensors, timeout)   (once per transfer;
+    or t.recv_stream(sink, timeout)         ◀══    t.send_stream(source, timeout)  chunk by chunk)
     ...                                            ...
     t.close()                                      t.close()
 
@@ -27,14 +28,15 @@ from __future__ import annotations
 
 import importlib
 import re
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-from kv_transfer.errors import TransportUnavailable
+from kv_transfer.errors import TransferTimeout, TransportUnavailable
 from kv_transfer.wire import HOST_RE, NAME_RE, Fields
 
 SOURCE_RANK = 0
@@ -118,6 +120,28 @@ class KVTransport(ABC):
     def recv(self, into: Sequence[torch.Tensor], timeout_s: float) -> None:
         """Destination side: receive into ``into`` (contiguous), pairwise matching the sent tensors."""
 
+    def send_stream(self, stream: ChunkSource, timeout_s: float) -> None:
+        """Source side: send ``stream.count`` chunks, each filled (``stream.fill(i)``) just in time.
+
+        Default: one `send` per window of chunks, so the receiver must use the same window (it is a
+        protocol constant); transports with asynchronous ops override this to overlap the fills.
+        """
+        deadline = time.monotonic() + timeout_s
+        for base in range(0, stream.count, stream.window):
+            ids = range(base, min(base + stream.window, stream.count))
+            for i in ids:
+                stream.fill(i)
+            self.send([stream.buffer(i) for i in ids], _left(deadline, timeout_s))
+
+    def recv_stream(self, stream: ChunkSink, timeout_s: float) -> None:
+        """Destination side: receive ``stream.count`` chunks, each drained (``stream.drain(i)``) on arrival."""
+        deadline = time.monotonic() + timeout_s
+        for base in range(0, stream.count, stream.window):
+            ids = range(base, min(base + stream.window, stream.count))
+            self.recv([stream.buffer(i) for i in ids], _left(deadline, timeout_s))
+            for i in ids:
+                stream.drain(i)
+
     @abstractmethod
     def close(self) -> None:
         """Tear the pair down; idempotent, never raises."""
@@ -126,6 +150,36 @@ class KVTransport(ABC):
     @abstractmethod
     def is_open(self) -> bool:
         """True between a successful `open` and `close` (or the first failure)."""
+
+
+class ChunkSource(Protocol):
+    """A transfer cut into ``count`` equal chunks that pass through ``window`` reusable buffers;
+    chunk ``i`` lives in ``buffer(i)`` (slot ``i % window``) once ``fill(i)`` returned."""
+
+    count: int
+    window: int
+
+    def buffer(self, i: int) -> torch.Tensor: ...
+
+    def fill(self, i: int) -> None: ...
+
+
+class ChunkSink(Protocol):
+    """The receiving twin of `ChunkSource`: ``drain(i)`` consumes chunk ``i`` from ``buffer(i)``."""
+
+    count: int
+    window: int
+
+    def buffer(self, i: int) -> torch.Tensor: ...
+
+    def drain(self, i: int) -> None: ...
+
+
+def _left(deadline: float, timeout_s: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferTimeout(f"stream did not finish within {timeout_s:.1f}s")
+    return left
 
 
 def check_contiguous(tensors: Sequence[torch.Tensor], what: str) -> None:

@@ -77,6 +77,35 @@ def test_views_into_a_larger_tensor(pair: tuple[KVTransport, KVTransport]) -> No
     assert not cache[:2].any() and not cache[5:7].any() and not cache[9:].any()
 
 
+class FakeStream:
+    """``count`` chunks through ``window`` slots; fill writes chunk i's data, drain records it."""
+
+    def __init__(self, chunks: list[torch.Tensor], window: int) -> None:
+        self.chunks, self.count, self.window = chunks, len(chunks), window
+        self.slots = [torch.empty_like(chunks[0]) for _ in range(window)]
+        self.drained: list[torch.Tensor] = []
+
+    def buffer(self, i: int) -> torch.Tensor:
+        return self.slots[i % self.window]
+
+    def fill(self, i: int) -> None:
+        self.buffer(i).copy_(self.chunks[i])
+
+    def drain(self, i: int) -> None:
+        self.drained.append(self.buffer(i).clone())
+
+
+@pytest.mark.parametrize("count,window", [(30, 4), (3, 4), (1, 1), (7, 2)])
+def test_streams_arrive_identical_in_order(pair: tuple[KVTransport, KVTransport], count: int, window: int) -> None:
+    src, dst = pair
+    chunks = [torch.randn(2, 3, 16, 3, 64).to(torch.bfloat16) for _ in range(count)]
+    out = FakeStream([torch.empty_like(chunks[0])] * count, window)
+    r = both(lambda: src.send_stream(FakeStream(chunks, window), 10), lambda: dst.recv_stream(out, 10))
+    assert r == (None, None), r
+    assert len(out.drained) == count
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(chunks, out.drained, strict=True))
+
+
 def test_recv_without_sender_times_out(pair: tuple[KVTransport, KVTransport]) -> None:
     _, dst = pair
     t0 = time.monotonic()

@@ -1,0 +1,127 @@
+"""Layer streams: the staging-mode data flow, one layer at a time through a small ring of buffers.
+
+Wire format (staging mode: gloo, local): a transfer of ``n`` blocks is ``num_layers`` chunks, chunk
+``l`` = layer ``l``'s K and V of the blocks, ``[2, n, block_size, kv_heads, head_dim]``, in order.
+The source gathers chunk ``l`` into ring slot ``l % window`` right before it is sent; the
+destination scatters chunk ``l`` out of its slot right after it arrives. So gathering, the wire
+and scattering overlap (on gloo, whose ops are asynchronous), and buffers are small and reused:
+fresh multi-hundred-MB allocations cost more than the copies themselves (page faults).
+
+Invariants:
+- `ScatterStream` is the only writer of the destination's blocks in staging mode, and after
+  `cancel` returns it never writes again (a drain in progress finishes first), so a failed or
+  cancelled pull has stopped touching blocks before `KVPuller.pull` returns.
+- `GatherStream` only reads blocks while its transfer is in flight; `cancel` stops it the same way.
+- Ring buffers return to the `BufferPool` only after a stream completed; after a failure the data
+  plane may still hold them (posted receives), so they are dropped with the pair.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from engine.kv_cache import KVCache
+from kv_transfer.blocks import sync_device
+from kv_transfer.errors import TransferError
+
+#: Ring slots per stream. Part of the wire protocol for transports without asynchronous ops (their
+#: `KVTransport.send_stream` default sends a window per call, which the receiver must mirror).
+STREAM_WINDOW = 4
+
+
+class BufferPool:
+    """Free tensors by (shape, dtype, device), reused across transfers; holds at most ``max_bytes``."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[tuple[tuple[int, ...], torch.dtype, str], list[torch.Tensor]] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, n: int) -> list[torch.Tensor]:
+        key = (shape, dtype, str(device))
+        with self._lock:
+            got = self._free.get(key, [])[:n]
+            if got:
+                self._free[key] = self._free[key][len(got):]
+                self._held -= sum(t.nbytes for t in got)
+        return got + [torch.empty(shape, dtype=dtype, device=device) for _ in range(n - len(got))]
+
+    def give(self, tensors: Sequence[torch.Tensor]) -> None:
+        with self._lock:
+            for t in tensors:
+                if self._held + t.nbytes > self.max_bytes:
+                    break  # over budget: let it go (its memory returns to the allocator)
+                self._free.setdefault((tuple(t.shape), t.dtype, str(t.device)), []).append(t)
+                self._held += t.nbytes
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held
+
+
+class _LayerStream:
+    """``num_layers`` chunks of ``[2, n, bs, H, D]`` through ``window`` slots; see the module doc."""
+
+    def __init__(self, cache: KVCache, block_ids: Sequence[int], pool: BufferPool,
+                 window: int = STREAM_WINDOW) -> None:
+        self.cache = cache
+        self.count = cache.num_layers
+        self.window = min(window, self.count)
+        self._idx = torch.tensor(list(block_ids), dtype=torch.long, device=cache.device)
+        self._pool = pool
+        shape = (2, len(block_ids), *cache.block_shape)
+        self._slots = pool.take(shape, cache.dtype, cache.device, self.window)
+        self._lock = threading.Lock()  # held while touching the cache; `cancel` waits on it
+        self._cancelled = False
+        self._completed = False
+
+    def buffer(self, i: int) -> torch.Tensor:
+        return self._slots[i % self.window]
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return self._slots[0].nbytes
+
+    def cancel(self) -> None:
+        """Stop for good; returns once no cache access is in progress (at most one layer's copy)."""
+        with self._lock:
+            self._cancelled = True
+
+    def complete(self) -> None:
+        """The data plane is done with every slot: they go back to the pool."""
+        self._completed = True
+        self._pool.give(self._slots)
+        self._slots = []
+
+    def _check(self) -> None:
+        if self._cancelled:
+            raise TransferError("stream cancelled")
+
+
+class GatherStream(_LayerStream):
+    """Source side: `fill` copies layer ``i`` of the blocks into its slot."""
+
+    def fill(self, i: int) -> None:
+        with self._lock:
+            self._check()
+            buf = self.buffer(i)  # [2, n, bs, H, D]
+            torch.index_select(self.cache.k[i], 0, self._idx, out=buf[0])
+            torch.index_select(self.cache.v[i], 0, self._idx, out=buf[1])
+            sync_device(buf)
+
+
+class ScatterStream(_LayerStream):
+    """Destination side: `drain` copies layer ``i`` out of its slot into the blocks."""
+
+    def drain(self, i: int) -> None:
+        with self._lock:
+            self._check()
+            buf = self.buffer(i)  # [2, n, bs, H, D]
+            self.cache.k[i].index_copy_(0, self._idx, buf[0])
+            self.cache.v[i].index_copy_(0, self._idx, buf[1])
+            sync_device(self.cache.k[i])

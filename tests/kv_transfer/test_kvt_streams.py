@@ -1,0 +1,79 @@
+"""Layer streams and the buffer pool: the staging-mode wire order, cancellation, buffer reuse."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kv_transfer.blocks import block_runs, direct_views, run_lengths, source_tensors
+from kv_transfer.errors import TransferError
+from kv_transfer.streams import BufferPool, GatherStream, ScatterStream
+
+from .kvt_helpers import SMOL, digest, make_cache
+
+LAYOUT = dataclasses.replace(SMOL, num_layers=5)
+
+
+def pipe(src: GatherStream, dst: ScatterStream) -> None:
+    """What a transport does, minus the wire: fill slot, copy slot to slot, drain."""
+    assert src.count == dst.count and src.chunk_nbytes == dst.chunk_nbytes
+    for i in range(src.count):
+        src.fill(i)
+        dst.buffer(i).copy_(src.buffer(i))
+        dst.drain(i)
+
+
+def test_gather_then_scatter_moves_exactly_the_blocks() -> None:
+    src, dst = make_cache(LAYOUT, 32, seed=3), make_cache(LAYOUT, 32)
+    pool = BufferPool()
+    sb, db = [4, 5, 6, 20, 1], [31, 0, 7, 8, 9]
+    pipe(GatherStream(src, sb, pool), ScatterStream(dst, db, pool))
+    assert digest(src, sb) == digest(dst, db)
+    untouched = [b for b in range(32) if b not in db]
+    assert not any(dst.k[layer][untouched].any() or dst.v[layer][untouched].any() for layer in range(5))
+
+
+def test_cancelled_scatter_never_writes() -> None:
+    src, dst = make_cache(LAYOUT, 8, seed=3), make_cache(LAYOUT, 8)
+    pool = BufferPool()
+    g, s = GatherStream(src, [1, 2], pool), ScatterStream(dst, [3, 4], pool)
+    g.fill(0)
+    s.buffer(0).copy_(g.buffer(0))
+    s.cancel()
+    with pytest.raises(TransferError, match="cancelled"):
+        s.drain(0)
+    assert not dst.k[0].any()
+    g.cancel()
+    with pytest.raises(TransferError):
+        g.fill(1)
+
+
+def test_pool_reuses_buffers_after_completion_only_within_budget() -> None:
+    cache = make_cache(LAYOUT, 8, seed=1)
+    pool = BufferPool(max_bytes=10 << 20)
+    s = GatherStream(cache, [1, 2, 3], pool)
+    ptrs = {s.buffer(i).data_ptr() for i in range(s.window)}
+    s.complete()
+    assert pool.held_bytes == s.window * 2 * 3 * LAYOUT.block_nbytes // (2 * LAYOUT.num_layers)
+    s2 = GatherStream(cache, [4, 5, 6], pool)
+    assert {s2.buffer(i).data_ptr() for i in range(s2.window)} == ptrs and pool.held_bytes == 0
+    tiny = BufferPool(max_bytes=1)
+    s3 = GatherStream(cache, [1], tiny)
+    s3.complete()
+    assert tiny.held_bytes == 0
+
+
+def test_runs_and_direct_views_line_up() -> None:
+    assert block_runs([5, 6, 7, 2, 3, 9]) == [(5, 3), (2, 2), (9, 1)]
+    assert run_lengths([0]) == (1,)
+    src, dst = make_cache(LAYOUT, 16, seed=5), make_cache(LAYOUT, 16)
+    sb, db = [1, 9, 3, 4, 5], [10, 11, 2, 3, 15]
+    sent = source_tensors(src, sb, run_lengths(db))
+    into = direct_views(dst, db)
+    assert [t.shape for t in sent] == [t.shape for t in into]
+    for a, b in zip(sent, into, strict=True):
+        b.copy_(a)
+    assert digest(src, sb) == digest(dst, db)
+    assert torch.equal(source_tensors(src, sb, None)[0], src.gather_blocks(sb))
