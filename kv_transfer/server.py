@@ -130,7 +130,7 @@ class KVSource:
         self._expirer: asyncio.Task[None] | None = None
         self._pairs: set[_Pair] = set()
         self._tasks: set[asyncio.Task[object]] = set()
-        self._executor = make_executor("kv-source", config.max_threads)
+        self._executor = make_executor("kv-source", config.max_threads)  # replaced by each start()
         self._pool = BufferPool(config.buffer_pool_bytes)
         self._port = 0
         self._n = {"transfers": 0, "bytes": 0, "refused": 0, "failed": 0, "auth": 0}
@@ -141,6 +141,7 @@ class KVSource:
     async def start(self) -> None:
         if self._server is not None:
             return
+        self._executor = make_executor("kv-source", self.config.max_threads)
         self._server = await asyncio.start_server(self._on_connect, self.host, self.config.port,
                                                   reuse_address=True)
         self._port = self._server.sockets[0].getsockname()[1]
@@ -287,7 +288,7 @@ class KVSource:
             return await self._refuse(writer, tid, e.reason)
         ok = False
         stream: GatherStream | None = None
-        try:
+        try:  # checks that may still refuse: nothing announced yet
             n_blocks = self.layout.blocks_for_tokens(entry.n_tokens)
             new_offer: TransportInfo | None = None
             transport = pair.transport
@@ -308,6 +309,14 @@ class KVSource:
                     raise
                 pair.transport = transport
             nbytes = n_blocks * self.layout.block_nbytes
+        except TransferRefused as e:
+            self.outbox.requeue(tid)
+            return await self._refuse(writer, tid, e.reason)
+        except BaseException:
+            self.outbox.requeue(tid)
+            raise
+        # Announced: from here on a failure is no refusal; it ends the pair (and the connection).
+        try:
             await send_message(writer, PullReady(tid, entry.n_tokens, n_blocks, nbytes, new_offer),
                                timeout_s=cfg.io_timeout_s)
             t0 = time.monotonic()
@@ -328,8 +337,9 @@ class KVSource:
             self._n["bytes"] += nbytes
             self._seconds += time.monotonic() - t0
             await send_message(writer, Ack(tid), timeout_s=cfg.io_timeout_s)
-        except TransferRefused as e:
-            await self._refuse(writer, tid, e.reason)
+        except TransferRefused as e:  # e.g. raised by a transport's open: not a refusal any more
+            self._n["failed"] += 1
+            raise TransferError(f"transfer {tid} failed after it was announced: {e.reason}") from None
         except BaseException:
             self._n["failed"] += 1
             raise  # the connection (and with it the pair) is torn down by the caller
