@@ -165,10 +165,10 @@ class Generation:
 
     def _finish(self, st: _State, inp: GenerationInput) -> None:
         m = self._metrics
+        if st.first_sent is None:  # refused or failed before token 0: nothing was computed for it
+            return
         m.prompt_tokens.inc(len(inp.prompt_token_ids))
         m.generation_tokens.inc(st.num_tokens)
-        if st.first_sent is None:
-            return
         end = st.last_sent or st.first_sent
         ttft = st.first_sent - inp.arrival_mono
         m.ttft.observe(ttft)
