@@ -86,6 +86,8 @@ class _Pool(_Section):
     max_ongoing_requests: int = Field(default=1024, ge=1)  # Serve's per-replica bound (above max_queue)
     num_blocks: int = Field(default=1024, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
+    num_threads: int | None = Field(default=None, ge=1)  # overrides engine.num_threads for this pool
+    cpu_affinity: list[int] | None = Field(default=None, min_length=1)  # pin this pool's replicas to these cores
 
 
 class AffinitySection(_Section):
@@ -209,7 +211,9 @@ class ClusterConfig(_Section):
         e = self.engine
         return EngineConfig(device=e.device, dtype=e.dtype, block_size=e.block_size, num_blocks=pool.num_blocks,
                             max_num_seqs=pool.max_num_seqs, max_model_len=self.limits.max_model_len,
-                            enable_prefix_cache=e.enable_prefix_cache, num_threads=e.num_threads)
+                            enable_prefix_cache=e.enable_prefix_cache,
+                            num_threads=pool.num_threads or e.num_threads,
+                            cpu_affinity=tuple(pool.cpu_affinity or ()))
 
     def _kv(self) -> KVTransferConfig:
         k = self.kv
