@@ -191,30 +191,40 @@ class DecodeWorker:
 
     async def _loop(self) -> None:
         while True:
-            out = self.scheduler.schedule()
-            self._execute_swaps_and_admissions(out)
-            decode = [self.streams[s.request_id] for s in out.decode if s.request_id in self.streams]
-            chunks, prefill_streams = self._plan_prefill()
-            if not decode and not chunks:
-                self._wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-                continue
-            seqs = [self._decode_seq(st) for st in decode]
             try:
-                t0 = time.monotonic()
-                dec_logits, pre_logits = await asyncio.to_thread(self._forward, seqs, chunks)
-                dt = time.monotonic() - t0
-            except Exception as e:
-                log.exception("decode step failed")
-                for st in decode + prefill_streams:
-                    self._end(st, "error", f"model step failed: {e}")
-                continue
-            self.num_steps += 1
-            if dec_logits is not None:
-                self._after_decode(decode, dec_logits)
-            if pre_logits is not None:
-                self._after_prefill(prefill_streams, chunks, pre_logits, dt)
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bug in one step must not silently stop every stream
+                log.exception("decode step loop error")
+                for st in list(self.streams.values()):
+                    self._end(st, "error", f"decode worker error: {e}")
+
+    async def _step(self) -> None:
+        out = self.scheduler.schedule()
+        self._execute_swaps_and_admissions(out)
+        decode = [self.streams[s.request_id] for s in out.decode if s.request_id in self.streams]
+        chunks, prefill_streams = self._plan_prefill()
+        if not decode and not chunks:
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+            return
+        seqs = [self._decode_seq(st) for st in decode]
+        try:
+            t0 = time.monotonic()
+            dec_logits, pre_logits = await asyncio.to_thread(self._forward, seqs, chunks)
+            dt = time.monotonic() - t0
+        except Exception as e:
+            log.exception("decode step failed")
+            for st in decode + prefill_streams:
+                self._end(st, "error", f"model step failed: {e}")
+            return
+        self.num_steps += 1
+        if dec_logits is not None:
+            self._after_decode(decode, dec_logits)
+        if pre_logits is not None:
+            self._after_prefill(prefill_streams, chunks, pre_logits, dt)
 
     def _forward(
         self, seqs: list[DecodeSeq], chunks: list[PrefillChunk]
@@ -291,6 +301,8 @@ class DecodeWorker:
         self, streams: list[Stream], chunks: list[PrefillChunk], logits: torch.Tensor, dt: float
     ) -> None:
         for row, (st, chunk) in enumerate(zip(streams, chunks, strict=True)):
+            if st.request_id not in self.streams:
+                continue  # aborted while the step ran; its blocks are already free
             st.prefilled += len(chunk.token_ids)
             st.prefill_s += dt
             if st.prefilled < len(st.req.prompt_token_ids):

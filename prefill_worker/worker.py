@@ -142,28 +142,39 @@ class PrefillWorker:
 
     async def _loop(self) -> None:
         while True:
-            self.outbox.expire()
-            self._drop_cancelled()
-            chunks, jobs = self._plan()
-            if not chunks:
-                self._wake.clear()
-                # Wake on a new request, or poll: blocks come back as the outbox drains.
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.05 if self.waiting else 1.0)
-                continue
             try:
-                logits = await asyncio.to_thread(self.engine.runner.prefill, chunks)
-            except Exception as e:  # a failed forward fails its jobs, never the worker
-                log.exception("prefill forward failed")
-                for job in jobs:
+                await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bug in one step must not silently stop the pool
+                log.exception("prefill step loop error")
+                for job in list(self.waiting):
                     self._remove(job)
                     self._fail(job, e)
-                continue
-            for row, (job, chunk) in enumerate(zip(jobs, chunks, strict=True)):
-                job.computed += len(chunk.token_ids)
-                if job.remaining == 0:
-                    self._remove(job)
-                    self._finish(job, logits[row : row + 1])
+
+    async def _step(self) -> None:
+        self.outbox.expire()
+        self._drop_cancelled()
+        chunks, jobs = self._plan()
+        if not chunks:
+            self._wake.clear()
+            # Wake on a new request, or poll: blocks come back as the outbox drains.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=0.05 if self.waiting else 1.0)
+            return
+        try:
+            logits = await asyncio.to_thread(self.engine.runner.prefill, chunks)
+        except Exception as e:  # a failed forward fails its jobs, never the worker
+            log.exception("prefill forward failed")
+            for job in jobs:
+                self._remove(job)
+                self._fail(job, e)
+            return
+        for row, (job, chunk) in enumerate(zip(jobs, chunks, strict=True)):
+            job.computed += len(chunk.token_ids)
+            if job.remaining == 0:
+                self._remove(job)
+                self._finish(job, logits[row : row + 1])
 
     def _plan(self) -> tuple[list[PrefillChunk], list[_Job]]:
         """Pick this step's chunks: FIFO over ``waiting``, admitting as blocks allow, within the budget."""

@@ -189,3 +189,26 @@ async def test_expired_lease_frees_outbox_and_import_fails(tiny_path) -> None:
     finally:
         await pd.decode.stop()
         await pd.prefill.stop()
+
+
+@pytest.mark.parametrize("chunk", [0, 64])
+async def test_colocated_abort_during_prefill_frees_blocks(tiny_path, ref_engine, chunk: int) -> None:
+    """A client gone before token 0, while its prompt is being prefilled: blocks freed, worker healthy."""
+    worker = make_colocated(tiny_path, chunk)
+    await worker.start()
+    try:
+        prompt = random_prompt(random.Random(21), 600)
+        gen = worker.generate(DecodeRequest("gone", prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+        first = asyncio.ensure_future(gen.__anext__())
+        await wait_until(lambda: bool(worker.prefilling), timeout=5)
+        first.cancel()
+        with pytest.raises((asyncio.CancelledError, StopAsyncIteration)):
+            await first
+        await gen.aclose()
+        await wait_until(worker.is_idle, timeout=5)
+        assert worker.engine.pool.num_free_blocks == worker.engine.pool.num_blocks
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        tokens, reason, _ = await collect(worker, DecodeRequest("next", prompt[:50], params))
+        assert tokens == reference(ref_engine, prompt[:50], params) and reason == "length"
+    finally:
+        await worker.stop()
