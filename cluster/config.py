@@ -24,6 +24,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.placement import PlacementFields
 from decode_worker.config import DecodeWorkerConfig
 from engine.config import EngineConfig, parse_dtype
 from prefill_worker.config import KVTransferConfig, PrefillWorkerConfig
@@ -78,7 +79,7 @@ class EngineSection(_Section):
         return v
 
 
-class _Pool(_Section):
+class _Pool(_Section, PlacementFields):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=0.5, ge=0)
     num_gpus: float = Field(default=0, ge=0)
@@ -112,7 +113,7 @@ class DecodeSection(_Pool):
     affinity: AffinitySection = AffinitySection()
 
 
-class RouterSection(_Section):
+class RouterSection(_Section, PlacementFields):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=0.1, ge=0)
     max_ongoing_requests: int = Field(default=1000, ge=1)

@@ -47,6 +47,10 @@ def _cupy() -> tuple[Any, Any]:
     return cupy, nccl
 
 
+def _current_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _host_id() -> str:
     """Identity of the physical host: the kernel boot id (shared by containers), else the hostname."""
     try:
@@ -87,7 +91,8 @@ class NcclTransport(KVTransport):
         if why is not None:
             raise TransportUnavailable(f"nccl transport: {why}")
         self._cupy, self._nccl = _cupy()
-        self.device_index = torch.cuda.current_device()
+        self.torch_device = _current_device()
+        self.device_index = self.torch_device.index or 0
         bus = self._cupy.cuda.Device(self.device_index).pci_bus_id
         self.device = f"{_host_id()}/{bus}"
         self._comm: Any = None
@@ -144,8 +149,8 @@ class NcclTransport(KVTransport):
         if self._comm is None or self._broken:
             raise TransferError("nccl: pair is not open")
         for t in tensors:
-            if t.device.type != "cuda" or t.device.index != self.device_index:
-                raise ValueError(f"nccl {op}: tensor on {t.device}, pair is on cuda:{self.device_index}")
+            if t.device != self.torch_device:
+                raise ValueError(f"nccl {op}: tensor on {t.device}, the pair is on {self.torch_device}")
         deadline = time.monotonic() + timeout_s
         cupy, nccl, comm, stream = self._cupy, self._nccl, self._comm, self._stream
         peer = _PEER[self.rank]

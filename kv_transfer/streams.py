@@ -1,9 +1,12 @@
 """Layer streams: the staging-mode data flow, one layer at a time through a small ring of buffers.
 
-Wire format (staging mode: gloo, local): a transfer of ``n`` blocks is ``num_layers`` chunks, chunk
-``l`` = layer ``l``'s K and V of the blocks, ``[2, n, block_size, kv_heads, head_dim]``, in order.
-The source gathers chunk ``l`` into ring slot ``l % window`` right before it is sent; the
-destination scatters chunk ``l`` out of its slot right after it arrives. So gathering, the wire
+Wire format (staging mode: gloo, local): a transfer of ``n`` blocks is cut into chunks of ``g``
+consecutive layers, chunk ``i`` = layers ``i*g .. i*g+g-1``, K and V, of the blocks:
+``[g, 2, n, block_size, kv_heads, head_dim]``, in order. ``g`` is the largest divisor of
+``num_layers`` whose chunk stays within `CHUNK_BYTES` (so small transfers are not latency-bound by
+one op per layer; large ones go a layer at a time); both ends derive it from the layout and ``n``.
+The source gathers chunk ``i`` into ring slot ``i % window`` right before it is sent; the
+destination scatters chunk ``i`` out of its slot right after it arrives. So gathering, the wire
 and scattering overlap (on gloo, whose ops are asynchronous), and buffers are small and reused:
 fresh multi-hundred-MB allocations cost more than the copies themselves (page faults).
 
@@ -30,6 +33,14 @@ from kv_transfer.errors import TransferError
 #: Ring slots per stream. Part of the wire protocol for transports without asynchronous ops (their
 #: `KVTransport.send_stream` default sends a window per call, which the receiver must mirror).
 STREAM_WINDOW = 4
+#: Target size of one chunk (see the wire format above): also part of the protocol.
+CHUNK_BYTES = 1 << 20
+
+
+def layers_per_chunk(num_layers: int, layer_nbytes: int) -> int:
+    """Largest divisor of ``num_layers`` whose chunk fits `CHUNK_BYTES` (at least 1)."""
+    fits = [d for d in range(1, num_layers + 1) if num_layers % d == 0 and d * layer_nbytes <= CHUNK_BYTES]
+    return max(fits, default=1)
 
 
 class BufferPool:
@@ -65,16 +76,18 @@ class BufferPool:
 
 
 class _LayerStream:
-    """``num_layers`` chunks of ``[2, n, bs, H, D]`` through ``window`` slots; see the module doc."""
+    """Chunks of ``[g, 2, n, bs, H, D]`` (``g`` layers) through ``window`` slots; see the module doc."""
 
     def __init__(self, cache: KVCache, block_ids: Sequence[int], pool: BufferPool,
                  window: int = STREAM_WINDOW) -> None:
         self.cache = cache
-        self.count = cache.num_layers
+        layer_nbytes = len(block_ids) * cache.block_nbytes // cache.num_layers  # K and V of one layer
+        self.group = layers_per_chunk(cache.num_layers, layer_nbytes)
+        self.count = cache.num_layers // self.group
         self.window = min(window, self.count)
         self._idx = torch.tensor(list(block_ids), dtype=torch.long, device=cache.device)
         self._pool = pool
-        shape = (2, len(block_ids), *cache.block_shape)
+        shape = (self.group, 2, len(block_ids), *cache.block_shape)
         self._slots = pool.take(shape, cache.dtype, cache.device, self.window)
         self._lock = threading.Lock()  # held while touching the cache; `cancel` waits on it
         self._cancelled = False
@@ -104,24 +117,28 @@ class _LayerStream:
 
 
 class GatherStream(_LayerStream):
-    """Source side: `fill` copies layer ``i`` of the blocks into its slot."""
+    """Source side: `fill` copies chunk ``i``'s layers of the blocks into its slot."""
 
     def fill(self, i: int) -> None:
         with self._lock:
             self._check()
-            buf = self.buffer(i)  # [2, n, bs, H, D]
-            torch.index_select(self.cache.k[i], 0, self._idx, out=buf[0])
-            torch.index_select(self.cache.v[i], 0, self._idx, out=buf[1])
+            buf = self.buffer(i)  # [g, 2, n, bs, H, D]
+            for j in range(self.group):
+                layer = i * self.group + j
+                torch.index_select(self.cache.k[layer], 0, self._idx, out=buf[j, 0])
+                torch.index_select(self.cache.v[layer], 0, self._idx, out=buf[j, 1])
             sync_device(buf)
 
 
 class ScatterStream(_LayerStream):
-    """Destination side: `drain` copies layer ``i`` out of its slot into the blocks."""
+    """Destination side: `drain` copies chunk ``i``'s layers out of its slot into the blocks."""
 
     def drain(self, i: int) -> None:
         with self._lock:
             self._check()
-            buf = self.buffer(i)  # [2, n, bs, H, D]
-            self.cache.k[i].index_copy_(0, self._idx, buf[0])
-            self.cache.v[i].index_copy_(0, self._idx, buf[1])
-            sync_device(self.cache.k[i])
+            buf = self.buffer(i)  # [g, 2, n, bs, H, D]
+            for j in range(self.group):
+                layer = i * self.group + j
+                self.cache.k[layer].index_copy_(0, self._idx, buf[j, 0])
+                self.cache.v[layer].index_copy_(0, self._idx, buf[j, 1])
+            sync_device(self.cache.k[0])

@@ -251,6 +251,26 @@ async def test_timed_out_or_cancelled_pull_leaves_nothing_hanging(how: str) -> N
         await src.server.stop()
 
 
+async def test_same_gpu_nccl_pair_is_refused_through_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kv_transfer.nccl as nccl_mod
+
+    from . import fake_cupy
+
+    monkeypatch.setattr(nccl_mod, "_cupy", fake_cupy.modules)
+    monkeypatch.setattr(nccl_mod, "_current_device", lambda: torch.device("cpu"))
+    src = Source("nccl")
+    await src.server.start()
+    p = puller("nccl")
+    try:
+        h = src.server.offer(None, [1], 10)
+        with pytest.raises(TransferRefused, match="colocated"):
+            await p.pull(h, make_cache(LAYOUT, 4), [0])
+        assert src.outbox.pending() == 1 and src.outbox.stats().in_flight == 0
+    finally:
+        await p.close()
+        await src.server.stop()
+
+
 async def test_bad_block_ids_are_caller_errors(gloo_source: Source) -> None:
     p = puller("gloo")
     try:

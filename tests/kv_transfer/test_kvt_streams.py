@@ -55,14 +55,30 @@ def test_pool_reuses_buffers_after_completion_only_within_budget() -> None:
     pool = BufferPool(max_bytes=10 << 20)
     s = GatherStream(cache, [1, 2, 3], pool)
     ptrs = {s.buffer(i).data_ptr() for i in range(s.window)}
+    ring_bytes = s.window * s.chunk_nbytes
     s.complete()
-    assert pool.held_bytes == s.window * 2 * 3 * LAYOUT.block_nbytes // (2 * LAYOUT.num_layers)
+    assert pool.held_bytes == ring_bytes
     s2 = GatherStream(cache, [4, 5, 6], pool)
     assert {s2.buffer(i).data_ptr() for i in range(s2.window)} == ptrs and pool.held_bytes == 0
     tiny = BufferPool(max_bytes=1)
     s3 = GatherStream(cache, [1], tiny)
     s3.complete()
     assert tiny.held_bytes == 0
+
+
+def test_chunking_groups_layers_of_small_transfers() -> None:
+    from kv_transfer.streams import CHUNK_BYTES, layers_per_chunk
+
+    layer = 8 * SMOL.block_nbytes // SMOL.num_layers  # 128 tokens of SmolLM2: 196,608 B per layer
+    assert layers_per_chunk(30, layer) == 5 and 5 * layer <= CHUNK_BYTES
+    assert layers_per_chunk(30, CHUNK_BYTES + 1) == 1
+    assert layers_per_chunk(7, 1) == 7
+    cache = make_cache(SMOL, 8, seed=2)
+    s = GatherStream(cache, list(range(8)), BufferPool())
+    assert (s.group, s.count) == (5, 6)
+    dst = make_cache(SMOL, 8)
+    pipe(s, ScatterStream(dst, list(range(8)), BufferPool()))
+    assert digest(cache, range(8)) == digest(dst, range(8))
 
 
 def test_runs_and_direct_views_line_up() -> None:

@@ -18,6 +18,8 @@ from kv_transfer.transport import DEST_RANK, SOURCE_RANK, KVTransport, available
 pytestmark = pytest.mark.timeout(60)
 
 CPU_TRANSPORTS = ["local", "local-direct", "gloo"]
+#: nccl's own code over a CPU stand-in for cupy (fake_cupy.py); the real one runs in the gpu tests.
+CONTRACT = [*CPU_TRANSPORTS, "nccl-on-fake-cupy"]
 POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="contract")
 
 
@@ -31,10 +33,25 @@ def both(f0: Callable[[], object], f1: Callable[[], object], timeout_s: float = 
     return out[0], out[1]
 
 
-@pytest.fixture(params=CPU_TRANSPORTS)
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[KVTransport, KVTransport]]:
-    src = make_transport(request.param, SOURCE_RANK, host="127.0.0.1", timeout_s=10)
-    dst = make_transport(request.param, DEST_RANK, host="127.0.0.1", timeout_s=10)
+def fake_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kv_transfer.nccl as nccl_mod
+
+    from . import fake_cupy
+
+    monkeypatch.setattr(nccl_mod, "_cupy", fake_cupy.modules)
+    monkeypatch.setattr(nccl_mod, "_current_device", lambda: torch.device("cpu"))
+
+
+@pytest.fixture(params=CONTRACT)
+def pair(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[KVTransport, KVTransport]]:
+    name = request.param
+    if name == "nccl-on-fake-cupy":
+        fake_nccl(monkeypatch)
+        name = "nccl"
+    src = make_transport(name, SOURCE_RANK, host="127.0.0.1", timeout_s=10)
+    dst = make_transport(name, DEST_RANK, host="127.0.0.1", timeout_s=10)
+    if name == "nccl":
+        dst.device = "other-host/0000:01:00.0"  # type: ignore[attr-defined]  # two GPUs, as NCCL needs
     offer = src.offer(dst.local_info())
     r = both(lambda: src.open(offer, 10), lambda: dst.open(offer, 10))
     assert r == (None, None), r
@@ -123,7 +140,7 @@ def test_size_mismatch_fails_both_ends(pair: tuple[KVTransport, KVTransport]) ->
 
 def test_close_wakes_the_peer(pair: tuple[KVTransport, KVTransport]) -> None:
     src, dst = pair
-    fut = POOL.submit(dst.recv, [torch.empty(8)], 3.0)
+    fut = POOL.submit(dst.recv, [torch.empty(8)], 2.0)
     time.sleep(0.2)
     src.close()
     src.close()  # idempotent
@@ -193,10 +210,11 @@ def test_nccl_contract_across_two_gpus() -> None:
     dst.close()
 
 
-@pytest.mark.gpu
-def test_nccl_refuses_two_ranks_on_one_gpu() -> None:
+def test_nccl_refuses_two_ranks_on_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from kv_transfer.errors import TransferRefused
 
+    if not _nccl_usable():
+        fake_nccl(monkeypatch)
     src = make_transport("nccl", SOURCE_RANK, host="127.0.0.1", timeout_s=5)
     dst = make_transport("nccl", DEST_RANK, host="127.0.0.1", timeout_s=5)
     with pytest.raises(TransferRefused, match="colocated"):
