@@ -6,6 +6,8 @@ Deployments: ``router`` (the HTTP ingress), ``prefill`` (disaggregated mode only
 Each pool's handles route with `router.replica_router.LoadAwareRequestRouter` over the replicas'
 own load reports (``record_routing_stats`` → ``load()``).
 
+Placement, autoscaling and graceful drain come from each section via `cluster.placement`.
+
 Invariants: the only place the components meet; every replica gets its whole config as one frozen
 object; replica classes can be swapped (tests pass fakes with the same constructor and methods).
 """
@@ -21,6 +23,7 @@ from ray.serve import Application
 from ray.serve.deployment import Deployment
 
 from cluster.config import ClusterConfig
+from cluster.placement import actor_placement, serve_options
 from router.app import Router
 from router.codec import TextCodec
 from router.config import RouterConfig
@@ -40,6 +43,10 @@ def _actor_options(num_cpus: float, num_gpus: float, num_threads: int | None) ->
         threads = str(num_threads)
         options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
     return options
+
+
+def _scaling(section: Any) -> dict[str, Any]:
+    return serve_options(section.num_replicas, section.placement, section.autoscaling, section.drain)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -64,10 +71,11 @@ def compose_app(
 
     decode = _deployment(with_routing_stats(decode_cls)).options(
         name="decode",
-        num_replicas=cfg.decode.num_replicas,
         max_ongoing_requests=cfg.decode.max_ongoing_requests,
-        ray_actor_options=_actor_options(cfg.decode.num_cpus, cfg.decode.num_gpus, threads),
+        ray_actor_options=_actor_options(cfg.decode.num_cpus, cfg.decode.num_gpus, threads)
+        | actor_placement(cfg.decode.placement),
         request_router_config=serve_router_config(cfg.decode_policy(), cfg.affinity(cfg.decode.affinity), period),
+        **_scaling(cfg.decode),
     ).bind(cfg.decode_worker_config())
 
     prefill = None
@@ -78,11 +86,12 @@ def compose_app(
             prefill_cls = PrefillServer
         prefill = _deployment(with_routing_stats(prefill_cls)).options(
             name="prefill",
-            num_replicas=cfg.prefill.num_replicas,
             max_ongoing_requests=cfg.prefill.max_ongoing_requests,
-            ray_actor_options=_actor_options(cfg.prefill.num_cpus, cfg.prefill.num_gpus, threads),
+            ray_actor_options=_actor_options(cfg.prefill.num_cpus, cfg.prefill.num_gpus, threads)
+            | actor_placement(cfg.prefill.placement),
             request_router_config=serve_router_config(cfg.prefill.policy, cfg.affinity(cfg.prefill.affinity),
                                                       period),
+            **_scaling(cfg.prefill),
         ).bind(cfg.prefill_worker_config())
 
     router_cfg = cfg.router_config()
@@ -90,7 +99,7 @@ def compose_app(
         router_cfg = dataclasses.replace(router_cfg, codec_factory=codec_factory)
     return cast(Deployment, Router).options(
         name="router",
-        num_replicas=cfg.router.num_replicas,
         max_ongoing_requests=cfg.router.max_ongoing_requests,
-        ray_actor_options={"num_cpus": cfg.router.num_cpus},
+        ray_actor_options={"num_cpus": cfg.router.num_cpus} | actor_placement(cfg.router.placement),
+        **_scaling(cfg.router),
     ).bind(prefill, decode, router_cfg)

@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.placement import PlacementFields
+from cluster.placement import AutoscalingSection, DrainSection, PlacementSection, Scaled
 from decode_worker.config import DecodeWorkerConfig
 from engine.config import EngineConfig, parse_dtype
 from prefill_worker.config import KVTransferConfig, PrefillWorkerConfig
@@ -89,6 +90,9 @@ class _Pool(_Section, PlacementFields):
     max_num_seqs: int = Field(default=64, ge=1)
     num_threads: int | None = Field(default=None, ge=1)  # overrides engine.num_threads for this pool
     cpu_affinity: list[int] | None = Field(default=None, min_length=1)  # pin this pool's replicas to these cores
+    placement: PlacementSection = PlacementSection()  # which nodes (cluster/placement.py)
+    autoscaling: AutoscalingSection | None = None  # instead of num_replicas
+    drain: DrainSection = DrainSection()  # Serve's graceful shutdown
 
 
 class AffinitySection(_Section):
@@ -120,6 +124,9 @@ class RouterSection(_Section, PlacementFields):
     api_keys: list[str] = Field(default_factory=list, repr=False)
     public_paths: list[str] = Field(default_factory=lambda: ["/health", "/ready", "/metrics"])
     routing_stats_period_s: float = Field(default=1.0, gt=0)
+    placement: PlacementSection = PlacementSection()
+    autoscaling: AutoscalingSection | None = None
+    drain: DrainSection = DrainSection()
 
     @field_validator("api_keys")
     @classmethod
