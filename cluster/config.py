@@ -24,7 +24,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.placement import PlacementFields
 from cluster.placement import AutoscalingSection, DrainSection, PlacementSection, Scaled
 from decode_worker.config import DecodeWorkerConfig
 from engine.config import EngineConfig, parse_dtype
@@ -80,7 +79,7 @@ class EngineSection(_Section):
         return v
 
 
-class _Pool(_Section, PlacementFields):
+class _Pool(_Section, Scaled):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=0.5, ge=0)
     num_gpus: float = Field(default=0, ge=0)
@@ -117,7 +116,7 @@ class DecodeSection(_Pool):
     affinity: AffinitySection = AffinitySection()
 
 
-class RouterSection(_Section, PlacementFields):
+class RouterSection(_Section, Scaled):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=0.1, ge=0)
     max_ongoing_requests: int = Field(default=1000, ge=1)
