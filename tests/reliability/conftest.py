@@ -1,0 +1,51 @@
+"""Fixtures of the reliability tests: the tiny model folder and one local Ray Serve for the package.
+
+One Ray cluster (and one Serve HTTP proxy on a free 127.0.0.1 port) serves every module of this
+package; each module deploys its own apps under its own route prefixes and deletes them when done.
+``address="local"`` always starts a fresh cluster: never one somebody else started on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers_models import make_tiny_chat_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama folder with SmolLM2's tokenizer (see `tests.helpers_models`)."""
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat") / "model"))
+
+
+@pytest.fixture(scope="package")
+def serve_base() -> Iterator[str]:
+    """``http://127.0.0.1:<port>`` of a Serve proxy on a Ray cluster of this package's own."""
+    import ray
+    from ray import cloudpickle, serve
+
+    from tests.reliability import fakes, harness, replicas
+    from tests.router import pd_fakes
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    for module in (pd_fakes, replicas, fakes):
+        cloudpickle.register_pickle_by_value(module)
+    port = harness.free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture
+def log_dir(tmp_path: Path) -> str:
+    return str(tmp_path)

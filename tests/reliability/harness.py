@@ -1,0 +1,244 @@
+"""Shared machinery of the reliability tests: app configs, streaming clients, metrics, process books.
+
+Owns: `cluster_args` (a small `ClusterConfig` ``args:`` mapping for the tiny model), `deploy` (one
+Serve app under its own route prefix, deleted afterwards), `stream_request` (one SSE request read
+by raw httpx, with every failure mode kept as data rather than raised), `parse_metrics`, and
+`listening_sockets` (what a process listens on).
+
+Invariants: nothing here leaves a process, app or connection behind on failure; every wait has a
+deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import psutil
+from ray import serve
+
+SECRET = "reliability-secret-0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cluster_args(model: str, *, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None,
+                 kv: dict[str, Any] | None = None, limits: dict[str, Any] | None = None,
+                 router: dict[str, Any] | None = None, mode: str = "disaggregated") -> dict[str, Any]:
+    """``args:`` for a small local app of ``model`` (fractional CPUs, one torch thread per replica)."""
+    pool = {"num_replicas": 1, "num_cpus": 0.1, "num_blocks": 128, "max_num_seqs": 32}
+    args: dict[str, Any] = {
+        "model": model,
+        "served_model_name": "tiny",
+        "mode": mode,
+        "engine": {"dtype": "float32", "block_size": 16, "num_threads": 1},
+        "decode": {**pool, **(decode or {})},
+        "router": {"num_replicas": 1, "num_cpus": 0.05, "routing_stats_period_s": 0.5, **(router or {})},
+        "kv": {"transport": "gloo", "host": "127.0.0.1", "secret": SECRET, "lease_s": 30, **(kv or {})},
+        "limits": {"max_model_len": 4096, **(limits or {})},
+    }
+    if mode == "disaggregated":
+        args["prefill"] = {**pool, **(prefill or {})}
+    return args
+
+
+@contextmanager
+def deploy(app: Any, name: str, base: str, timeout_s: float = 180.0) -> Iterator[str]:
+    """Run ``app`` as ``name`` at ``/name``; yields its base URL; deletes the app on exit."""
+    try:
+        serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
+        url = f"{base}/{name}"
+        wait_ready(url, timeout_s)
+        yield url
+    finally:
+        try:
+            serve.delete(name)
+        except Exception as e:  # the cluster may already be going down; the package fixture stops it
+            print(f"serve.delete({name!r}) failed: {e!r}")
+
+
+def wait_ready(url: str, timeout_s: float, headers: dict[str, str] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/ready", timeout=10, headers=headers)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/ready did not answer 200 within {timeout_s:g} s (last: {last})")
+
+
+def completion_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
+
+
+@dataclass
+class StreamResult:
+    """What one client saw: status, the events, the error event, timing. Never raises."""
+
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    request_id: str | None = None
+    texts: list[str] = field(default_factory=list)  # one per content chunk
+    usage_tokens: int | None = None
+    finish_reason: str | None = None
+    error: dict[str, Any] | None = None  # an SSE error event's "error", or a non-200 body's
+    done: bool = False  # saw data: [DONE]
+    transport_error: str | None = None  # the connection broke
+    t_start: float = 0.0
+    t_first: float | None = None
+    t_end: float = 0.0
+    dropped: bool = False  # the client went away on purpose
+    expected_tokens: int | None = None  # for the caller's books
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.done and self.error is None and self.transport_error is None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.t_first is None else self.t_first - self.t_start
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], *,
+                         drop_after: int | None = None, headers: dict[str, str] | None = None,
+                         timeout_s: float = 120.0, on_first: Callable[[str], None] | None = None) -> StreamResult:
+    """POST a streamed request and read it all (or ``drop_after`` content chunks, then hang up).
+
+    ``on_first(request_id)`` is called as the first token arrives (the id is the chunks' ``id``).
+    """
+    res = StreamResult(t_start=time.monotonic())
+    try:
+        await asyncio.wait_for(_read(client, url, body, res, drop_after, headers, on_first), timeout_s)
+    except (httpx.HTTPError, asyncio.TimeoutError, OSError) as e:
+        res.transport_error = repr(e)
+    finally:
+        res.t_end = time.monotonic()
+    return res
+
+
+async def _read(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: StreamResult,
+                drop_after: int | None, headers: dict[str, str] | None,
+                on_first: Callable[[str], None] | None) -> None:
+    async with client.stream("POST", url, json=body, headers=headers) as r:
+        res.status = r.status_code
+        res.headers = dict(r.headers)
+        if r.status_code != 200:
+            raw = await r.aread()
+            try:
+                res.error = json.loads(raw)["error"]
+            except (ValueError, KeyError, TypeError):
+                res.error = {"message": raw.decode(errors="replace")}
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                res.done = True
+                return
+            event = json.loads(data)
+            if "error" in event:
+                res.error = event["error"]
+                continue
+            res.request_id = res.request_id or event.get("id")
+            if event.get("usage"):
+                res.usage_tokens = event["usage"]["completion_tokens"]
+            for choice in event.get("choices") or ():
+                if res.t_first is None:
+                    res.t_first = time.monotonic()
+                    if on_first is not None and res.request_id:
+                        on_first(res.request_id)
+                res.texts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+                res.finish_reason = choice.get("finish_reason") or res.finish_reason
+            if drop_after is not None and len(res.texts) >= drop_after:
+                res.dropped = True
+                return  # leaving the context closes the connection mid-stream
+
+
+async def drop_before_first_token(url: str, body: dict[str, Any], after_s: float) -> None:
+    """Send a request on a raw socket and hang up ``after_s`` later, before any response byte."""
+    host, port, path = _split(url)
+    payload = json.dumps(body).encode()
+    _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
+    try:
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        await writer.drain()
+        await asyncio.sleep(after_s)
+    finally:
+        writer.close()
+        try:
+            await asyncio.wait_for(writer.wait_closed(), 5)
+        except (OSError, asyncio.TimeoutError):
+            pass
+
+
+def _split(url: str) -> tuple[str, int, str]:
+    u = httpx.URL(url)
+    return u.host, int(u.port or 80), u.raw_path.decode()
+
+
+# ---- /metrics ------------------------------------------------------------------------------------
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text → ``{'name{labels}': value}`` (labels exactly as rendered)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        out[key] = float(value)
+    return out
+
+
+def gauge(samples: dict[str, float], name: str) -> dict[str, float]:
+    """Every sample of one metric: ``{'{labels}': value}``."""
+    return {k[len(name):]: v for k, v in samples.items() if k.startswith(name + "{")}
+
+
+# ---- processes -----------------------------------------------------------------------------------
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on."""
+    conns = psutil.Process(pid).net_connections(kind="tcp")
+    return sorted((c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN)
+
+
+def replica_pids(app: str, deployment: str, want: int, timeout_s: float = 60.0) -> set[int]:
+    """The pids of ``want`` distinct replicas of a deployment, found by asking ``stats()`` repeatedly."""
+    handle = serve.get_deployment_handle(deployment, app_name=app)
+    pids: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(pids) < want:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"saw only {len(pids)} of {want} {deployment} replicas: {pids}")
+        responses = [handle.stats.remote() for _ in range(4 * want)]
+        for resp in responses:
+            pids.add(int(resp.result(timeout_s=30)["pid"]))
+    return pids
+
+
+def running_replicas(app: str, deployment: str) -> int:
+    from ray.serve.schema import ReplicaState
+
+    status = serve.status().applications[app].deployments[deployment]
+    return int(status.replica_states.get(ReplicaState.RUNNING, 0))

@@ -1,0 +1,194 @@
+"""SIGKILL a replica under load: prefill deaths are invisible to clients, decode deaths end streams cleanly.
+
+One app for the module: 2 journaled prefill replicas (0.3 s before each prefill, so a kill lands on
+requests waiting for token 0) and 2 journaled decode replicas (20 ms between streamed events, so
+streams are long enough to be cut), real tiny model, KV over gloo. The journals
+(`tests.reliability.replicas`) say which replica saw which request, so the test knows exactly which
+requests were in flight on the victim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from cluster.app import compose_app
+from cluster.config import ClusterConfig
+from tests.reliability.harness import (
+    StreamResult,
+    cluster_args,
+    completion_body,
+    deploy,
+    running_replicas,
+    stream_request,
+)
+from tests.reliability.replicas import journaled_decode, journaled_prefill, read_journals
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
+
+APP = "kills"
+TOKEN_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Journals:
+    dir: str
+    url: str
+
+
+@pytest.fixture(scope="module")
+def app(serve_base: str, tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Journals]:
+    log_dir = str(tmp_path_factory.mktemp("kill-journals"))
+    args = cluster_args(tiny_model, prefill={"num_replicas": 2}, decode={"num_replicas": 2},
+                        kv={"timeout_s": 10}, limits={"token_timeout_s": TOKEN_TIMEOUT_S, "prefill_timeout_s": 30})
+    cfg = ClusterConfig.from_args(args)
+    application = compose_app(cfg, prefill_cls=journaled_prefill(log_dir, 0.3),
+                              decode_cls=journaled_decode(log_dir, 0.02))
+    with deploy(application, APP, serve_base) as url:
+        yield Journals(log_dir, url)
+
+
+@dataclass
+class Load:
+    """Closed-loop clients sending streamed completions until told to stop."""
+
+    url: str
+    clients: int
+    max_tokens: tuple[int, ...] = (8, 12, 16)
+    results: list[StreamResult] = field(default_factory=list)
+    first_token: set[str] = field(default_factory=set)  # ids that got token 0 (live, as it arrives)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            await asyncio.gather(*(self._client(client, i) for i in range(self.clients)))
+
+    async def _client(self, client: httpx.AsyncClient, i: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            k = self.max_tokens[(i + n) % len(self.max_tokens)]
+            body = completion_body(f"client {i} request {n}: a story about the sea", k)
+            res = await stream_request(client, f"{self.url}/v1/completions", body, timeout_s=90,
+                                       on_first=self.first_token.add)
+            res.expected_tokens = k
+            self.results.append(res)
+            n += 1
+
+
+async def _until(predicate: object, timeout_s: float, what: str, period_s: float = 0.01) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        await asyncio.sleep(period_s)
+
+
+def test_prefill_replica_killed_under_load(app: Journals) -> None:
+    """Kill a prefill replica with requests waiting for token 0: all are retried, nobody sees an error."""
+    pids = set(read_journals(app.dir, "prefill"))
+    assert len(pids) == 2, pids
+
+    async def scenario() -> tuple[Load, int, float]:
+        load = Load(app.url, clients=6)
+        runner = asyncio.ensure_future(load.run())
+        try:
+            await asyncio.sleep(2.0)  # steady state: both replicas busy
+
+            def victim_in_flight() -> int | None:
+                for pid, ids in read_journals(app.dir, "prefill").items():
+                    if pid in pids and len(set(ids) - load.first_token) >= 2:
+                        return pid
+                return None
+
+            await _until(lambda: victim_in_flight() is not None, 20, "a replica with 2 prefills in flight")
+            victim = victim_in_flight()
+            assert victim is not None
+            os.kill(victim, signal.SIGKILL)
+            t_kill = time.monotonic()
+
+            def rejoined() -> bool:
+                fresh = {p: ids for p, ids in read_journals(app.dir, "prefill").items() if p not in pids}
+                return running_replicas(APP, "prefill") == 2 and any(len(ids) >= 3 for ids in fresh.values())
+
+            await _until(rejoined, 120, "the killed prefill replica to be replaced and serve", period_s=0.5)
+            return load, victim, time.monotonic() - t_kill
+        finally:
+            load.stop.set()
+            await asyncio.wait_for(runner, 120)
+
+    load, victim, rejoin_s = asyncio.run(scenario())
+    journals = read_journals(app.dir, "prefill")
+    elsewhere = {rid for pid, ids in journals.items() if pid != victim for rid in ids}
+    retried = set(journals[victim]) & elsewhere
+    bad = [r for r in load.results if not r.ok or r.usage_tokens != r.expected_tokens]
+    fresh = [p for p in journals if p not in pids]
+    print(f"prefill kill: {len(load.results)} requests, {len(retried)} retried on another replica, "
+          f"replacement {fresh} serving {rejoin_s:.1f} s after the kill, {len(bad)} bad")
+    assert not bad, [(r.status, r.error, r.transport_error, r.usage_tokens, r.expected_tokens) for r in bad[:5]]
+    assert len(retried) >= 2, "the kill should have caught at least two prefills in flight"
+    by_id = {r.request_id: r for r in load.results}
+    assert all(by_id[rid].ok for rid in retried)  # each retried request was seen to complete by its client
+
+
+def test_decode_replica_killed_under_load(app: Journals) -> None:
+    """Kill a decode replica mid-stream: its streams end with an error event in time, others finish."""
+    pids = set(read_journals(app.dir, "decode"))
+    assert len(pids) == 2, pids
+    max_tokens = 150  # at 20 ms per event: a stream lasts ≥ 3 s
+
+    async def scenario() -> tuple[list[StreamResult], list[StreamResult], int, float]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            first: set[str] = set()
+            streams = [asyncio.ensure_future(stream_request(
+                client, f"{app.url}/v1/completions", completion_body(f"long stream {i} about rivers", max_tokens),
+                timeout_s=90, on_first=first.add)) for i in range(8)]
+            try:
+                def both_streaming() -> bool:
+                    journals = read_journals(app.dir, "decode")
+                    return all(len(set(journals[p]) & first) >= 2 for p in pids)
+
+                await _until(both_streaming, 60, "both decode replicas streaming ≥ 2 requests")
+                victim = min(pids)
+                os.kill(victim, signal.SIGKILL)
+                t_kill = time.monotonic()
+                done = await asyncio.wait_for(asyncio.gather(*streams), 60)
+            finally:
+                for s in streams:
+                    s.cancel()
+            # new requests while the victim is dead or restarting: all served by the live replica(s)
+            after = await asyncio.gather(*(stream_request(
+                client, f"{app.url}/v1/completions", completion_body(f"after the kill {i}", 12), timeout_s=60)
+                for i in range(6)))
+        return list(done), list(after), victim, t_kill
+
+    results, after, victim, t_kill = asyncio.run(scenario())
+    journals = read_journals(app.dir, "decode")
+    on_victim = set(journals[victim])
+    cut = [r for r in results if r.request_id in on_victim]
+    kept = [r for r in results if r.request_id not in on_victim]
+    end_s = max((r.t_end - t_kill for r in cut), default=0.0)
+    print(f"decode kill: {len(cut)} streams cut (all ended {end_s:.2f} s after the kill, limit "
+          f"{TOKEN_TIMEOUT_S:g} s), {len(kept)} untouched, {len(after)} new requests served")
+    assert cut and kept, (len(cut), len(kept))
+    for r in cut:
+        assert r.status == 200 and r.error is not None and r.done, (r.error, r.done, r.transport_error)
+        assert set(r.error) == {"message", "type", "param", "code"}
+        assert r.usage_tokens is None and r.finish_reason is None
+    assert end_s < TOKEN_TIMEOUT_S
+    for r in kept:
+        assert r.ok and r.usage_tokens == max_tokens, (r.error, r.usage_tokens)
+    assert all(r.ok and r.usage_tokens == 12 for r in after), [(r.error, r.usage_tokens) for r in after]
+    new_ids = {r.request_id for r in after}
+    assert not new_ids & on_victim, "a new request reached the dead decode replica"
+
+    deadline = time.monotonic() + 120
+    while running_replicas(APP, "decode") != 2 or len(read_journals(app.dir, "decode")) < 3:
+        assert time.monotonic() < deadline, "the killed decode replica was not replaced"
+        time.sleep(0.5)
