@@ -20,12 +20,41 @@ from typing import Any
 import torch
 
 from kv_transfer.client import KVPuller, PullerConfig
+from kv_transfer.gloo import GlooTransport
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from kv_transfer.outbox import Outbox
 from kv_transfer.server import KVSource, SourceConfig, SourceStats
+from kv_transfer.transport import ChunkSource, register_transport
 
 from .kvt_helpers import SECRET, digest, make_cache
+
+# --- a source that stalls halfway through a transfer (so a test can kill it mid-transfer) ---------
+
+
+class _StallHalfway:
+    def __init__(self, inner: ChunkSource, stall_s: float) -> None:
+        self.inner, self.stall_s = inner, stall_s
+        self.count, self.window = inner.count, inner.window
+
+    def buffer(self, i: int) -> torch.Tensor:
+        return self.inner.buffer(i)
+
+    def fill(self, i: int) -> None:
+        if i == self.count // 2:
+            time.sleep(self.stall_s)
+        self.inner.fill(i)
+
+
+@register_transport
+class StallingGloo(GlooTransport):
+    """gloo, except that the source pauses for 3 s after sending half of every transfer."""
+
+    name = "gloo-stall"
+
+    def send_stream(self, stream: ChunkSource, timeout_s: float) -> None:
+        super().send_stream(_StallHalfway(stream, 3.0), timeout_s)
+
 
 # --- commands and replies -------------------------------------------------------------------------
 
@@ -68,6 +97,7 @@ class PullAll:
     timeout_s: float = 20.0
     secret: bytes | None = None
     layout: KVLayout | None = None  # pull as this layout, and claim the handle has it too
+    transport: str | None = None
 
 
 @dataclass(frozen=True)
@@ -155,14 +185,16 @@ async def _dest(conn: Connection, layout: KVLayout, num_blocks: int) -> None:
         except EOFError:
             break
         if isinstance(cmd, PullAll):
-            if cmd.secret is None and cmd.layout is None:
+            if cmd.secret is None and cmd.layout is None and cmd.transport is None:
                 outcomes = await asyncio.gather(*(_pull(puller, h, cache, free, cmd.timeout_s) for h in cmd.handles))
-            else:  # a one-off puller: another secret, or another model's layout
+            else:  # a one-off puller: another secret, transport, or model layout
                 lay = cmd.layout or layout
-                other = KVPuller(cmd.secret or SECRET, lay, PullerConfig(host="127.0.0.1"))
-                other_cache = make_cache(lay, 64)
+                other = KVPuller(cmd.secret or SECRET, lay,
+                                 PullerConfig(host="127.0.0.1", transport=cmd.transport or "gloo"))
+                n = max(64, *(h.n_blocks for h in cmd.handles))
+                other_cache = make_cache(lay, n)
                 handles = [dataclasses.replace(h, layout=lay) for h in cmd.handles]
-                outcomes = await asyncio.gather(*(_pull(other, h, other_cache, list(range(64)), cmd.timeout_s)
+                outcomes = await asyncio.gather(*(_pull(other, h, other_cache, list(range(n)), cmd.timeout_s)
                                                   for h in handles))
                 await other.close()
             conn.send(list(outcomes))

@@ -30,7 +30,7 @@ def procs() -> Iterator[dict[str, Proc]]:
         started["a"] = Proc(source_main, SMOL, SOURCE_BLOCKS, 1)
         started["b"] = Proc(source_main, SMOL, SOURCE_BLOCKS, 2)
         started["dest"] = Proc(dest_main, SMOL, DEST_BLOCKS)
-        started["doomed"] = Proc(source_main, SMOL, 260, 3)  # killed by a test
+        started["doomed"] = Proc(source_main, SMOL, 70, 3, "gloo-stall")  # killed mid-transfer by a test
         for p in started.values():
             p.ready()
         yield started
@@ -97,14 +97,14 @@ def test_expired_handle_is_refused(procs: dict[str, Proc]) -> None:
 def test_killed_source_fails_the_pull_in_time_and_others_still_work(procs: dict[str, Proc]) -> None:
     doomed = procs["doomed"]
     try:
-        big = offer(doomed, 4096)  # 256 blocks, 189 MB: the kill lands mid-transfer or just before
-        procs["dest"].send(PullAll((big[0].handle,), timeout_s=10.0))
-        time.sleep(0.15)
+        (o,) = offer(doomed, 1000)
+        procs["dest"].send(PullAll((o.handle,), timeout_s=10.0, transport="gloo-stall"))
+        time.sleep(0.8)  # the source stalls for 3 s with half of the layers sent
         doomed.kill()
         t0 = time.monotonic()
         (r,) = procs["dest"].recv(20)
-        assert r.error in ("TransferError", "TransferTimeout", "ConnectionClosed"), r
-        assert r.seconds < 10.5 and time.monotonic() - t0 < 10.5
+        assert r.error == "TransferError", r  # the control channel's EOF or gloo itself, whichever is first
+        assert r.seconds < 10.5 and time.monotonic() - t0 < 5  # well within the pull's timeout
     finally:
         doomed.stop()
     offers = offer(procs["a"], 1000)
