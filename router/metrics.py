@@ -2,7 +2,8 @@
 
 Owns: `RouterMetrics` (latency histograms, token and success counters) and `LoadReportCollector`,
 which turns the replicas' latest load reports (`router.loadboard`) into per-replica gauges at
-scrape time.
+scrape time (requests running / waiting, KV blocks used / free, and a prefill replica's outbox:
+handles waiting to be pulled).
 
 Definitions (as the common benchmark tools use them): TTFT = request received by the router →
 first token sent; ITL = gap between successive streamed token events; TPOT = (e2e − TTFT) /
@@ -46,6 +47,8 @@ class LoadReportCollector(Collector):
                                  labels=["replica", "role"])
         free = GaugeMetricFamily("pdserve:kv_blocks_free", "Free KV blocks on a replica.",
                                  labels=["replica", "role"])
+        outbox = GaugeMetricFamily("pdserve:kv_outbox_pending", "KV handles a prefill replica holds for a pull "
+                                   "(not yet pulled, released or expired).", labels=["replica", "role"])
         for deployment in self._deployments:
             for rid, r in sorted(loadboard.snapshot(deployment).items()):
                 labels = [rid, r.role or deployment]
@@ -53,7 +56,9 @@ class LoadReportCollector(Collector):
                 waiting.add_metric(labels, r.num_waiting)
                 used.add_metric(labels, max(0, r.kv_blocks_total - r.kv_blocks_free))
                 free.add_metric(labels, r.kv_blocks_free)
-        yield from (running, waiting, used, free)
+                if r.role == "prefill":
+                    outbox.add_metric(labels, r.outbox_pending)
+        yield from (running, waiting, used, free, outbox)
 
 
 class RouterMetrics:
