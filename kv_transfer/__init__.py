@@ -9,7 +9,10 @@ Module map (one concept each):
 - `auth`: the HELLO challenge-response (HMAC-SHA256 over the cluster secret).
 - `outbox`: the prefill side's blocks under lease.
 - `transport` (+ `local`, `gloo`, `nccl`): the data-plane interface, registry and implementations.
-- `blocks`: which tensors travel, in which order; `blocking`: worker-thread helpers.
+- `streams`: the staging-mode wire order (layer chunks through reusable ring buffers);
+  `blocks`: the direct-mode one (runs of block ids).
+- `blocking`: running blocking work off the event loop; `dataplane`: the worker-thread bodies.
+- `node`: this node's address and id.
 - `server` (`KVSource`, prefill side) and `client` (`KVPuller`, decode side).
 - `bench`: ``python -m kv_transfer.bench``: pull throughput between two processes.
 """

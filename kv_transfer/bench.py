@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import platform
 import statistics
 import time
@@ -166,6 +167,7 @@ def run_benchmark(sizes_tokens: tuple[int, ...] = (128, 1024, 4096), repeats: in
         "torch_threads": 1,
         "cpus": mp.cpu_count(),
         "machine": platform.machine(),
+        "load_avg_1m": os.getloadavg()[0],  # other work on the same cores skews every number here
         "first_pull_s": first_pull_s,
         "results": results,
     }

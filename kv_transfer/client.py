@@ -30,20 +30,19 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
-import torch
-
 from engine.kv_cache import KVCache
 from kv_transfer.auth import check_secret, make_hello, verify_welcome
 from kv_transfer.blocking import make_executor, run_bounded
 from kv_transfer.blocks import direct_views, run_lengths
+from kv_transfer.dataplane import open_and_recv, open_and_recv_stream
 from kv_transfer.errors import AuthError, ConnectionClosed, TransferError, TransferRefused, TransferTimeout
 from kv_transfer.framing import recv_message, send_message
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from kv_transfer.messages import Ack, Challenge, Done, Error, Message, Pull, PullReady, Release, Welcome
-from kv_transfer.server import default_node_id, node_ip
+from kv_transfer.node import default_node_id, node_ip
 from kv_transfer.streams import BufferPool, ScatterStream
-from kv_transfer.transport import DEST_RANK, KVTransport, TransportInfo, check_transport_available, make_transport
+from kv_transfer.transport import DEST_RANK, KVTransport, check_transport_available, make_transport
 
 log = logging.getLogger(__name__)
 
@@ -176,11 +175,11 @@ class KVPuller:
         left = self._left(deadline)
         stream: ScatterStream | None = None
         if transport.direct:  # straight into the blocks
-            work = functools.partial(_open_and_recv, transport, ready.transport_info,
+            work = functools.partial(open_and_recv, transport, ready.transport_info,
                                      direct_views(cache, blocks), left)
         else:  # layer by layer through a small ring, scattering while the wire runs
             stream = ScatterStream(cache, blocks, self._pool)
-            work = functools.partial(_open_and_recv_stream, transport, ready.transport_info, stream, left)
+            work = functools.partial(open_and_recv_stream, transport, ready.transport_info, stream, left)
         try:
             await self._recv_watching(conn, tid, run_bounded(
                 self._executor, left, f"receiving {tid} from {handle.source}", work), deadline)
@@ -302,23 +301,6 @@ class KVPuller:
 
 class _Stale(TransferError):
     """A cached connection turned out closed before the source answered: safe to retry once."""
-
-
-def _open_and_recv(transport: KVTransport, offer: TransportInfo | None, into: list[torch.Tensor],
-                   timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    if offer is not None:
-        transport.open(offer, timeout_s)
-    transport.recv(into, max(deadline - time.monotonic(), 0.001))
-
-
-def _open_and_recv_stream(transport: KVTransport, offer: TransportInfo | None, stream: ScatterStream,
-                          timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    if offer is not None:
-        transport.open(offer, timeout_s)
-    transport.recv_stream(stream, max(deadline - time.monotonic(), 0.001))
-    stream.complete()
 
 
 def _check_block_ids(ids: list[int], need: int, num_blocks: int) -> list[int]:

@@ -28,25 +28,22 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
-import re
-import socket
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.kv_cache import KVCache
 from kv_transfer.auth import DEFAULT_MAX_SKEW_S, check_secret, make_challenge, make_welcome, verify_hello
 from kv_transfer.blocking import make_executor, run_bounded, run_to_completion
 from kv_transfer.blocks import source_tensors
+from kv_transfer.dataplane import open_and_send, open_and_send_stream
 from kv_transfer.errors import AuthError, CodecError, ConnectionClosed, TransferError, TransferRefused
 from kv_transfer.framing import recv_message, send_message
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from kv_transfer.messages import Ack, Done, Error, Hello, Message, Pull, PullReady, Release
+from kv_transfer.node import default_node_id, node_ip
 from kv_transfer.outbox import Outbox, OutboxStats
 from kv_transfer.streams import BufferPool, GatherStream
 from kv_transfer.transport import (
@@ -59,18 +56,6 @@ from kv_transfer.transport import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def node_ip() -> str:
-    """This node's address as its hostname resolves (what peers on the cluster network reach)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError as e:
-        raise ValueError(f"cannot resolve this node's IP ({e}); configure the host explicitly") from None
-
-
-def default_node_id(role: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._:\-]", "-", f"{role}-{socket.gethostname()}-{os.getpid()}")[:128]
 
 
 @dataclass(frozen=True)
@@ -324,10 +309,10 @@ class KVSource:
             timeout = cfg.transfer_timeout_s
             if direct:  # one gather, then the runs (a device-side copy: cheap on a GPU)
                 tensors = await run_to_completion(self._executor, source_tensors, self.cache, blocks, msg.dst_runs)
-                work = functools.partial(_open_and_send, transport, new_offer, tensors, timeout)
+                work = functools.partial(open_and_send, transport, new_offer, tensors, timeout)
             else:  # layer by layer through a small ring, gathering while the wire runs
                 stream = GatherStream(self.cache, blocks, self._pool)
-                work = functools.partial(_open_and_send_stream, transport, new_offer, stream, timeout)
+                work = functools.partial(open_and_send_stream, transport, new_offer, stream, timeout)
             done = await self._send_and_await_done(pair, tid, work, reader)
             if not isinstance(done, Done) or done.transfer_id != tid:
                 raise TransferError(f"expected done for {tid}, got {done.TYPE}")
@@ -388,20 +373,3 @@ class KVSource:
         if transport is not None:
             with contextlib.suppress(Exception):
                 await run_bounded(self._executor, 10.0, "closing a pair", transport.close)
-
-
-def _open_and_send(transport: KVTransport, offer: TransportInfo | None, tensors: list[torch.Tensor],
-                   timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    if offer is not None:
-        transport.open(offer, timeout_s)
-    transport.send(tensors, max(deadline - time.monotonic(), 0.001))
-
-
-def _open_and_send_stream(transport: KVTransport, offer: TransportInfo | None, stream: GatherStream,
-                          timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    if offer is not None:
-        transport.open(offer, timeout_s)
-    transport.send_stream(stream, max(deadline - time.monotonic(), 0.001))
-    stream.complete()
