@@ -24,7 +24,9 @@ def replicas_by_deployment() -> dict[str, list[dict[str, Any]]]:
     """Serve's own record of each RUNNING replica, with the node it runs on."""
     from ray.serve.context import _get_global_client
 
-    details = _get_global_client().get_serve_details()
+    client = _get_global_client()
+    assert client is not None
+    details = client.get_serve_details()
     deps = details["applications"][APP]["deployments"]
     return {name: [r for r in d["replicas"] if r["state"] == "RUNNING"] for name, d in deps.items()}
 
