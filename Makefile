@@ -44,7 +44,27 @@ bench-engine: prepare-model
 bench-kv: $(STAMP)
 	$(PY) -m loadtests.bench_kv
 
-bench: bench-engine bench-kv
+.PHONY: bench-interference bench-goodput
+# Serving benchmarks: each mode is a `pdserve serve` subprocess on a free port (about 6 and 10 minutes).
+BENCH_NOTE ?=
+bench-interference: prepare-model
+	$(PY) -m loadtests.bench_interference --note "$(BENCH_NOTE)"
+
+bench-goodput: prepare-model
+	$(PY) -m loadtests.bench_goodput --note "$(BENCH_NOTE)"
+
+bench: bench-engine bench-kv bench-interference bench-goodput
+
+# Locust against a running cluster (make serve): CSV + HTML report in results/loadtest_<profile>*.
+HOST ?= http://127.0.0.1:8000
+PROFILE ?= mixed
+USERS ?= 8
+RUN_TIME ?= 60s
+loadtest: $(STAMP)
+	mkdir -p results
+	$(PY) -m locust -f loadtests/locustfile.py --headless -u $(USERS) -r $(USERS) --run-time $(RUN_TIME) \
+		--host $(HOST) --profile $(PROFILE) --csv results/loadtest_$(PROFILE) \
+		--html results/loadtest_$(PROFILE).html --only-summary
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
