@@ -65,6 +65,7 @@ class InProcessImporter:
             data = src.engine.cache.gather_blocks(list(entry.block_ids[:n_blocks]))
             cache.scatter_blocks(block_ids[:n_blocks], data)
         except BaseException:
+            src.outbox.requeue(handle.transfer_id)  # no longer in flight: release can free it now
             src.outbox.release(handle.transfer_id)
             raise
         src.outbox.done(handle.transfer_id)
