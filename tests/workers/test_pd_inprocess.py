@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -195,6 +196,14 @@ async def test_expired_lease_frees_outbox_and_import_fails(tiny_path) -> None:
 async def test_colocated_abort_during_prefill_frees_blocks(tiny_path, ref_engine, chunk: int) -> None:
     """A client gone before token 0, while its prompt is being prefilled: blocks freed, worker healthy."""
     worker = make_colocated(tiny_path, chunk)
+    runner = worker.engine.runner
+    fast_prefill = runner.prefill
+
+    def slow_prefill(*args, **kwargs):  # widen the window in which the prompt is mid-prefill
+        time.sleep(0.3)
+        return fast_prefill(*args, **kwargs)
+
+    runner.prefill = slow_prefill  # type: ignore[method-assign]
     await worker.start()
     try:
         prompt = random_prompt(random.Random(21), 600)
