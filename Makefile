@@ -42,7 +42,7 @@ bench-engine: prepare-model
 	$(PY) -m loadtests.bench_engine
 
 bench-kv: $(STAMP)
-	$(PY) -m loadtests.bench_kv
+	$(PY) -m kv_transfer.bench --out results/kv_transfer.json
 
 .PHONY: bench-interference bench-goodput
 # Serving benchmarks: each mode is a `pdserve serve` subprocess on a free port (about 6 and 10 minutes).
