@@ -143,7 +143,7 @@ class DecodeWorker:
         self.engine.check_length(n_prompt, req.sampling.max_tokens)
         if req.request_id in self.streams:
             raise ValueError(f"request id {req.request_id!r} is already streaming")
-        if self.scheduler.num_waiting >= self.config.max_queue:
+        if self._queued_beyond_free_slots() >= self.config.max_queue:
             raise QueueFullError(f"decode queue is full ({self.config.max_queue} waiting)", 1.0)
         stream = Stream(req=req, sampler=SamplerState.new(req.sampling, start_step=0 if self.colocated else 1))
         if not self.colocated:
@@ -154,6 +154,16 @@ class DecodeWorker:
         self.streams[req.request_id] = stream
         self._wake.set()
         return stream
+
+    def _queued_beyond_free_slots(self) -> int:
+        """Waiting sequences that the next ``schedule()`` cannot admit for want of a batch slot.
+
+        Requests that arrive together all sit in ``waiting`` until the step loop runs; those that
+        free slots will take are not queued, so they do not count against ``max_queue``.
+        """
+        s = self.scheduler
+        live = s.num_running + s.num_transferring + s.num_swapped
+        return s.num_waiting - max(0, self.engine.config.max_num_seqs - live)
 
     def _abort(self, stream: Stream) -> None:
         """The caller went away: free now, or as soon as a transfer into the blocks has finished."""
