@@ -151,6 +151,8 @@ class LimitsSection(_Section):
     prefill_timeout_s: float = Field(default=120.0, gt=0)
     token_timeout_s: float = Field(default=60.0, gt=0)
     ready_timeout_s: float = Field(default=5.0, gt=0)
+    # generations in flight per router replica, past it 429; None: what the decode pool holds
+    max_inflight_requests: int | None = Field(default=None, ge=1)
 
 
 class ClusterConfig(_Section):
@@ -248,7 +250,19 @@ class ClusterConfig(_Section):
                             public_paths=tuple(self.router.public_paths), max_model_len=lim.max_model_len,
                             max_body_bytes=lim.max_body_bytes, default_max_tokens=lim.default_max_tokens,
                             prefill_timeout_s=lim.prefill_timeout_s, token_timeout_s=lim.token_timeout_s,
-                            ready_timeout_s=lim.ready_timeout_s)
+                            ready_timeout_s=lim.ready_timeout_s,
+                            max_inflight_requests=lim.max_inflight_requests or self.decode_capacity_per_router())
+
+    def decode_capacity_per_router(self) -> int:
+        """Requests the decode pool holds (running + queued, at its most replicas), per router replica.
+
+        Past this a request would get token 0 from the prefill pool and then be refused by a full
+        decode queue mid-stream; the router refuses it up front instead (`router.admission`).
+        """
+        d, r = self.decode, self.router
+        decoders = d.autoscaling.max_replicas if d.autoscaling is not None else d.num_replicas
+        routers = r.autoscaling.min_replicas if r.autoscaling is not None else r.num_replicas
+        return max(1, decoders * (d.max_num_seqs + d.max_queue) // routers)
 
     def decode_policy(self) -> str:
         if self.decode.policy is not None:

@@ -5,8 +5,9 @@ class (stateless; any number of replicas behind any load balancer).
 
 Per request: read the body (≤ ``max_body_bytes``, else 413) → auth (Bearer key, constant-time
 compare) → validate (400 in OpenAI's shape) → model name (404) → chat template + tokenize →
-context bound (400 ``context_length_exceeded``) → `Generation` (prefill, token 0 sent at once,
-decode stream relayed) → SSE chunks ending in ``data: [DONE]``, or one JSON response.
+context bound (400 ``context_length_exceeded``) → `Generation` (admission: 429 past
+``max_inflight_requests``; prefill, token 0 sent at once, decode stream relayed) → SSE chunks
+ending in ``data: [DONE]``, or one JSON response.
 
 Invariants: errors before the first token get their real status (429 with Retry-After, 503, …);
 after it, a stream ends with ``data: {"error": …}`` then ``data: [DONE]``; a client that goes away
@@ -29,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
+from router.admission import Admission
 from router.backends import Backends
 from router.codec import load_codec
 from router.config import RouterConfig
@@ -108,7 +110,8 @@ class Router:
         self._metrics = RouterMetrics(load_deployments=names)
         self._backends = Backends(prefill_handle, decode_handle, config.prefill_timeout_s,
                                   config.token_timeout_s, config.ready_timeout_s)
-        self._generation = Generation(self._backends, self._codec, self._metrics)
+        self._admission = Admission(config.max_inflight_requests)
+        self._generation = Generation(self._backends, self._codec, self._metrics, self._admission)
         self._keys = tuple(k.encode() for k in config.api_keys)
 
     # ---- guards ----

@@ -31,6 +31,7 @@ class RouterConfig:
     prefill_timeout_s: float = 120.0  # one prefill call (queueing included); then 503
     token_timeout_s: float = 60.0  # longest wait for the next decode event; then an error event
     ready_timeout_s: float = 5.0  # each pool's ready() call behind /ready
+    max_inflight_requests: int | None = None  # generations in flight on this replica; past it 429 (None: no bound)
     codec_factory: Callable[[RouterConfig], TextCodec] | None = None
 
     def __post_init__(self) -> None:
@@ -38,6 +39,8 @@ class RouterConfig:
             raise ValueError(f"router mode must be 'disaggregated' or 'colocated', got {self.mode!r}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if self.max_inflight_requests is not None and self.max_inflight_requests < 1:
+            raise ValueError("max_inflight_requests must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
         for name in ("prefill_timeout_s", "token_timeout_s", "ready_timeout_s"):

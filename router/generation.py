@@ -9,6 +9,9 @@ Life cycle: [disaggregated] ``prefill`` → Delta(token 0) → ``generate(first_
 Delta per event; [colocated] ``generate(None, None)`` → Delta per event (the first is token 0).
 A request finished by token 0 (EOS, ``max_tokens == 1``) never reaches the decode pool.
 
+Admission (`router.admission`) comes first: a replica at its bound of requests in flight refuses
+with 429 before the prefill, so nothing it admits is later dropped for load.
+
 Invariants: exactly one Delta carries a finish reason, and it is the last; ``completion_tokens``
 counts every generated token up to and including the one that finished the request (token 0
 included, EOS included), as OpenAI and vLLM count; EOS text is never emitted; stopping early
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
 from engine.sampling import SamplingParams
 from prefill_worker.types import PrefillRequest
+from router.admission import Admission
 from router.backends import Backends, TokenTimeoutError
 from router.codec import Detokenizer, TextCodec
 from router.metrics import RouterMetrics
@@ -63,16 +67,19 @@ class _State:
 class Generation:
     """Streams one request (see the module docstring)."""
 
-    def __init__(self, backends: Backends, codec: TextCodec, metrics: RouterMetrics) -> None:
+    def __init__(self, backends: Backends, codec: TextCodec, metrics: RouterMetrics,
+                 admission: Admission | None = None) -> None:
         self._backends = backends
         self._codec = codec
         self._metrics = metrics
+        self._admission = admission or Admission(None)
 
     async def stream(self, inp: GenerationInput) -> AsyncGenerator[Delta, None]:
         st = _State()
         eos = frozenset(()) if inp.sampling.ignore_eos else frozenset(self._codec.eos_token_ids)
         detok = self._codec.detokenizer()
         stops = StopMatcher(inp.stop_strings)
+        self._admission.enter()  # 429 now, before any token, if this replica is at its bound
         try:
             first: int | None = None
             handle = None
@@ -106,6 +113,7 @@ class Generation:
         except TokenTimeoutError as e:
             raise StreamError(str(e)) from None
         finally:
+            self._admission.leave()
             self._finish(st, inp)
 
     def _advance(
