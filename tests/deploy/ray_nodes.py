@@ -85,8 +85,10 @@ class LocalRayCluster:
 
     def start_head(self, num_cpus: float, resources: dict[str, float] | None = None,
                    labels: dict[str, str] | None = None, timeout_s: float = 60.0) -> RayNode:
+        # Even without the dashboard Ray starts a minimal one (usage stats) on --dashboard-port,
+        # 8265 by default and without retries: another cluster on this host may hold that port.
         node = self._start("head", ["--head", f"--port={self.port}", "--include-dashboard=false",
-                                    f"--ray-client-server-port={free_port()}"],
+                                    f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}"],
                            num_cpus, resources or {}, labels or {})
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -129,7 +131,7 @@ class LocalRayCluster:
         path = self.temp_dir / f"{name}.log"
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 4.0) -> None:
         """End every process of every node's session (workers, raylet, GCS, agents), by pid."""
         sessions = {n.proc.pid for n in self.nodes}
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):

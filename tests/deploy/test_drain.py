@@ -20,7 +20,7 @@ from engine.tokenizer import Tokenizer
 from tests.deploy.conftest import APP, Deployed, app_args
 from tests.deploy.test_multinode import completion
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 PROMPT = list(range(2000, 2032))
 LONG = 2000

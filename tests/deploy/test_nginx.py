@@ -20,7 +20,7 @@ import pytest
 from tests.deploy.conftest import Deployed
 from tests.deploy.ray_nodes import free_port
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 CONF = Path(__file__).resolve().parents[2] / "deploy" / "nginx.conf"
 PROMPT = list(range(100, 140))
