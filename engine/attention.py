@@ -1,14 +1,22 @@
 """Attention over the paged KV cache, for prefill chunks and batched decode steps.
 
 Owns: writing new K/V rows into cache slots and computing attention against a sequence's cached
-rows. Works on any device; on CPU it uses torch's SDPA with GQA (no K/V head repetition copies).
+rows. Two decode paths: the reference (`decode_attention`: gather every context slot, SDPA with a
+bool mask) and the fast one (`paged_decode_attention`: copy whole blocks, two batched matmuls with
+GQA folded into a block-diagonal query, softmax in fp32). Prefill uses SDPA (``is_causal`` when a
+chunk starts at position 0).
 
 Invariants: a *slot* is ``block_id * block_size + row``; a query at absolute position ``p`` sees
 exactly the keys at positions ``0..p`` of its own sequence; padding rows of a batched decode step
-are masked out, so batching never changes a sequence's result beyond float reassociation.
+are masked out (an additive ``-inf`` bias, or ``False`` in a bool mask), so batching never changes
+a sequence's result beyond float reassociation. Scratch buffers (`Workspace`) are reused across
+layers and steps but never carry information from one call to the next.
 """
 
 from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,12 +48,14 @@ def prefill_attention(
     start_pos: int,
     context_slots: torch.Tensor | None,
     scale: float,
+    context_blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's chunk.
 
     q: [S, H, D]; k_new/v_new: [S, KV, D] (already written to the cache); ``start_pos`` tokens
-    precede the chunk; ``context_slots``: [start_pos + S] slots of the whole context (only read
-    when ``start_pos > 0``). Returns [S, H, D].
+    precede the chunk; the context (only read when ``start_pos > 0``) is given either as
+    ``context_slots``: [start_pos + S] slots, or as ``context_blocks``: [ceil((start_pos + S) / bs)]
+    block ids (cheaper: whole blocks are copied). Returns [S, H, D].
     """
     s = q.shape[0]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, S, D]
@@ -54,11 +64,15 @@ def prefill_attention(
         v = v_new.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        assert context_slots is not None
-        kc, vc = gather_kv(k_cache, v_cache, context_slots)  # [L, KV, D]
+        total = start_pos + s
+        if context_blocks is not None:  # copy whole blocks (contiguous rows), keep the first L rows
+            kc = k_cache.index_select(0, context_blocks).flatten(0, 1)[:total]  # [L, KV, D]
+            vc = v_cache.index_select(0, context_blocks).flatten(0, 1)[:total]
+        else:
+            assert context_slots is not None
+            kc, vc = gather_kv(k_cache, v_cache, context_slots)  # [L, KV, D]
         k = kc.transpose(0, 1).unsqueeze(0)  # [1, KV, L, D]
         v = vc.transpose(0, 1).unsqueeze(0)
-        total = start_pos + s
         q_pos = torch.arange(start_pos, total, device=q.device).unsqueeze(1)  # [S, 1]
         k_pos = torch.arange(total, device=q.device).unsqueeze(0)  # [1, L]
         mask = k_pos <= q_pos  # [S, L]
@@ -86,3 +100,85 @@ def decode_attention(
     mask = valid[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)  # [B, H, D]
+
+
+class Workspace:
+    """Per-thread scratch tensors, grown on demand and reused by every layer and step.
+
+    ``buffer`` contents are undefined on return; ``zeros`` buffers are zero when first made and the
+    caller must only ever write the positions it rewrites on every use (here: a diagonal).
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, zero: bool
+    ) -> torch.Tensor:
+        store: dict[tuple[str, torch.dtype], torch.Tensor] = self._local.__dict__.setdefault("store", {})
+        n = 1
+        for d in shape:
+            n *= d
+        flat = store.get((name, dtype))
+        if flat is None or flat.numel() < n or flat.device != device:
+            flat = (torch.zeros if zero else torch.empty)(max(n, 1), dtype=dtype, device=device)
+            store[(name, dtype)] = flat
+        return flat[:n].view(shape)
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._get(name, shape, dtype, device, zero=False)
+
+    def zeros(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._get(name, shape, dtype, device, zero=True)
+
+
+@dataclass
+class PagedDecodeMeta:
+    """What every layer of one decode step shares (built once per step by `engine.runner`)."""
+
+    block_ids: torch.Tensor  # [B * n_blocks] each sequence's block table, padded with any valid block id
+    bias: torch.Tensor  # [B, L, 1] fp32: 0 at positions <= the sequence's position, -inf after; L = n_blocks * bs
+    batch: int  # B
+    n_blocks: int
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedDecodeMeta,
+    ws: Workspace,
+    scale: float,
+) -> torch.Tensor:
+    """One new query token per sequence, read from the paged cache block by block.
+
+    q: [B, H, D]; k_cache/v_cache: [num_blocks, bs, KV, D]. Returns [B, H * D].
+
+    The blocks are copied whole (contiguous rows, ~memcpy speed) into one reused buffer in the
+    cache's own layout ``[B, L, KV, D]``. GQA is folded into the matmul: each sequence's query
+    becomes a block-diagonal ``[KV * D, H]`` matrix (head ``h`` uses only KV head ``h // G``), so
+    ``K[B, L, KV * D] @ Qblk`` gives the scores of every head against its own KV head with
+    contiguous operands and no per-head loop; ``P^T @ V[B, L, KV * D]`` gives ``[B, H, KV * D]``
+    from which each head keeps its own KV head's slice. That is KV times the minimal FLOPs, still
+    cheap next to reading K and V: on CPU it beats SDPA (slow for a single query, in bf16 most)
+    and a per-head loop over strided views.
+    """
+    b, h, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    g = h // kvh
+    length = meta.n_blocks * bs
+    dev, dt = q.device, k_cache.dtype
+    kb = ws.buffer("k", (b * meta.n_blocks, bs, kvh, d), dt, dev)
+    vb = ws.buffer("v", (b * meta.n_blocks, bs, kvh, d), dt, dev)
+    torch.index_select(k_cache, 0, meta.block_ids, out=kb)
+    torch.index_select(v_cache, 0, meta.block_ids, out=vb)
+    qblk = ws.zeros("qblk", (b, kvh, d, kvh, g), dt, dev)  # only the kv == kv' diagonal is ever written
+    qblk.diagonal(dim1=1, dim2=3).copy_(q.view(b, kvh, g, d).permute(0, 3, 2, 1))  # [B, D, G, KV]
+    s = torch.bmm(kb.view(b, length, kvh * d), qblk.view(b, kvh * d, h))  # [B, L, H]
+    s = torch.add(meta.bias, s, alpha=scale)  # [B, L, H] fp32, padding at -inf
+    p = torch.softmax(s, dim=1)
+    if p.dtype != dt:
+        p = p.to(dt)
+    o = torch.bmm(p.transpose(1, 2), vb.view(b, length, kvh * d))  # [B, H, KV * D]
+    o = o.view(b, kvh, g, kvh, d).diagonal(dim1=1, dim2=3)  # [B, G, D, KV]: each head's own KV head
+    return o.permute(0, 3, 1, 2).reshape(b, h * d)  # [B, H * D], h = kv * G + g

@@ -1,12 +1,20 @@
 """The Llama-family forward pass (Llama, Mistral, Qwen2, SmolLM) over the paged KV cache.
 
 Owns: one forward for a *batch of prefill chunks* (each sequence may start after cached prefix
-tokens) and one for a *batched decode step* (one token per sequence, contexts of any length).
-Batch preparation (positions, slots) is the caller's (`engine.runner`); this module only computes.
+tokens) and one for a *batched decode step* (one token per sequence, contexts of any length), each
+in two variants chosen at construction:
+- ``fast=True`` (default): oneDNN-prepacked weights (or int8, `engine.quant`) with the residual add
+  fused into o_proj/down, RoPE for q and k in one pass from per-dtype tables gathered once per step,
+  and `attention.paged_decode_attention` over whole cache blocks;
+- ``fast=False``: the plain reference (``F.linear``, transformers' op order, slot-by-slot gathers,
+  SDPA with a bool mask), kept to test the fast path against.
+Batch preparation (positions, slots, block tables, masks) is the caller's (`engine.runner`); this
+module only computes.
 
 Invariants: every sequence in a batch is independent (its result does not depend on the others
 beyond float reassociation); the KV of every input token is written to its slot before attention
-reads it; logits come back in fp32.
+reads it; logits come back in fp32; the model holds no per-request state (decode scratch buffers in
+`attention.Workspace` are per thread and overwritten on every use).
 """
 
 from __future__ import annotations
@@ -16,11 +24,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import decode_attention, prefill_attention, write_kv
+from engine.attention import (
+    PagedDecodeMeta,
+    Workspace,
+    decode_attention,
+    paged_decode_attention,
+    prefill_attention,
+    write_kv,
+)
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from engine.quant import Linear, make_linear
 from engine.rope import RotaryEmbedding
-from engine.weights import LayerWeights, ModelWeights
+from engine.weights import ModelWeights
 
 
 @dataclass
@@ -32,17 +48,19 @@ class PrefillBatch:
     slots: torch.Tensor  # [T] cache slot of each token
     seq_lens: list[int]  # tokens of each chunk; sums to T
     start_positions: list[int]  # cached tokens before each chunk
-    context_slots: list[torch.Tensor | None]  # per chunk: [start + len] slots, or None if start == 0
+    context_blocks: list[torch.Tensor | None]  # per chunk: [ceil((start + len) / bs)] block ids, None if start == 0
     logits_index: torch.Tensor  # [N] rows of T whose logits are wanted
 
 
 @dataclass
 class DecodeBatch:
+    """One decode step (built by `engine.runner`): every tensor here is shared by all layers."""
+
     token_ids: torch.Tensor  # [B]
     positions: torch.Tensor  # [B]
     slots: torch.Tensor  # [B] slot of the new token
-    slot_table: torch.Tensor  # [B, L] context slots, padded
-    valid: torch.Tensor  # [B, L] bool
+    block_table: torch.Tensor  # [B, n_blocks] padded with a valid block id (masked out)
+    bias: torch.Tensor  # [B, n_blocks * block_size, 1] fp32: 0 where a position is visible, -inf after
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,69 +71,172 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
-class LlamaModel:
-    """Weights + the two forwards. Holds no per-request state."""
+@dataclass
+class LayerKernels:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # [hidden] → [q_size + 2 * kv_size]
+    o_proj: Linear  # [q_size] → [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: Linear  # [hidden] → [2 * intermediate]
+    down: Linear  # [intermediate] → [hidden]
 
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, max_positions: int) -> None:
+
+class LlamaModel:
+    """Weights in their kernels' formats + the two forwards. Holds no per-request state.
+
+    ``quantization="int8"`` stores every linear layer (lm_head included unless
+    ``quantize_lm_head=False``) as weight-only int8; it implies the fast path.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: ModelWeights,
+        max_positions: int,
+        *,
+        fast: bool = True,
+        quantization: str | None = None,
+        quantize_lm_head: bool = True,
+    ) -> None:
         self.cfg = cfg
-        self.w = weights
+        self.fast = fast or quantization is not None
+        self.quantization = quantization
+        self.embed = weights.embed  # [vocab, hidden]
+        self.norm = weights.norm  # [hidden]
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
         self.rope = RotaryEmbedding(cfg, max_positions, self.device)
+        half = cfg.head_dim // 2
+        # rotate_half(x) * sin == roll(x, half) * [-sin | sin]: one table, no negation per step.
+        self._cos = self.rope.cos.to(self.dtype)  # [P, D]
+        self._sin_signed = torch.cat([-self.rope.sin[:, :half], self.rope.sin[:, half:]], -1).to(self.dtype)
         self.scale = cfg.head_dim**-0.5
+        self.ws = Workspace()
 
-    def _qkv(self, lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def lin(w: torch.Tensor, b: torch.Tensor | None = None, quantize: bool = True) -> Linear:
+            return make_linear(w, b, fast=self.fast, quantization=quantization if quantize else None)
+
+        # The loaded tensors are not kept: a packed or int8 kernel replaces its plain weight.
+        self.layers = [
+            LayerKernels(
+                input_norm=lw.input_norm,
+                qkv=lin(lw.qkv, lw.qkv_bias),
+                o_proj=lin(lw.o_proj),
+                post_norm=lw.post_norm,
+                gate_up=lin(lw.gate_up),
+                down=lin(lw.down),
+            )
+            for lw in weights.layers
+        ]
+        self.lm_head = lin(weights.lm_head, quantize=quantize_lm_head)
+
+    def weight_nbytes(self) -> int:
+        """Bytes one forward streams for the weights (matrices, norms; not the embedding lookup)."""
+        total = self.lm_head.nbytes + self.norm.numel() * self.norm.element_size()
+        for lk in self.layers:
+            total += sum(k.nbytes for k in (lk.qkv, lk.o_proj, lk.gate_up, lk.down))
+            total += 2 * lk.input_norm.numel() * lk.input_norm.element_size()
+        return total
+
+    # -- pieces shared by both forwards ----------------------------------------------------------
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fast:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
+        return rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def _qkv(
+        self, lk: LayerKernels, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] → q [T, H, D], k [T, KV, D], v [T, KV, D] (q and k rotated)."""
         cfg = self.cfg
-        t = x.shape[0]
-        qkv = F.linear(x, lw.qkv, lw.qkv_bias)  # [T, q + 2kv]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(t, cfg.num_heads, cfg.head_dim)  # [T, H, D]
-        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)  # [T, KV, D]
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.rope.apply(q, k, positions)
-        return q, k, v
+        t, hd = x.shape[0], cfg.head_dim
+        qkv = lk.qkv(x)  # [T, q + 2kv]
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, hd)
+        if not self.fast:
+            q, k, _ = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q, k = self.rope.apply(q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd), positions)
+            return q, k, v
+        cos, sin = rope  # [T, 1, D] each, in the activation dtype
+        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, hd)
+        qk = torch.addcmul(qk * cos, torch.roll(qk, hd // 2, dims=-1), sin)  # [T, H + KV, D]
+        return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
 
-    def _mlp(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)  # [T, I] each
-        return F.linear(F.silu(gate) * up, lw.down)
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.fast:
+            return self._cos[:0], self._cos[:0]  # unused: the reference path indexes per layer
+        return self._cos[positions].unsqueeze(1), self._sin_signed[positions].unsqueeze(1)  # [T, 1, D]
+
+    def _mlp(self, lk: LayerKernels, h: torch.Tensor) -> torch.Tensor:
+        """h: [T, hidden] → h + mlp(norm(h))."""
+        gate, up = lk.gate_up(self._norm(h, lk.post_norm)).chunk(2, dim=-1)  # [T, I] each
+        return lk.down(F.silu(gate) * up, residual=h)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(h, self.w.norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.w.lm_head).float()  # [N, vocab]
+        return self.lm_head(self._norm(h, self.norm)).float()  # [N, vocab]
+
+    # -- forwards ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch, cache: KVCache) -> torch.Tensor:
         """Returns fp32 logits [N, vocab] for the rows in ``batch.logits_index``."""
         cfg = self.cfg
-        h = self.w.embed[batch.token_ids]  # [T, hidden]
-        for li, lw in enumerate(self.w.layers):
-            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
-            q, k, v = self._qkv(lw, x, batch.positions)
+        h = self.embed[batch.token_ids]  # [T, hidden]
+        rope = self._rope_tables(batch.positions)
+        bs = cache.block_size
+        for li, lk in enumerate(self.layers):
+            q, k, v = self._qkv(lk, self._norm(h, lk.input_norm), batch.positions, rope)
             write_kv(cache.k[li], cache.v[li], batch.slots, k, v)
             outs = []
             offset = 0
-            for n, start, ctx in zip(batch.seq_lens, batch.start_positions, batch.context_slots, strict=True):
+            for n, start, blocks in zip(batch.seq_lens, batch.start_positions, batch.context_blocks, strict=True):
                 sl = slice(offset, offset + n)
+                slots = None
+                if blocks is not None and not self.fast:  # reference: slot by slot
+                    pos = torch.arange(start + n, device=self.device)
+                    slots = blocks[pos // bs] * bs + pos % bs
+                    blocks = None
                 outs.append(
-                    prefill_attention(q[sl], k[sl], v[sl], cache.k[li], cache.v[li], start, ctx, self.scale)
+                    prefill_attention(
+                        q[sl], k[sl], v[sl], cache.k[li], cache.v[li], start, slots, self.scale, blocks
+                    )
                 )
                 offset += n
             attn = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H, D]
-            h = h + F.linear(attn.reshape(attn.shape[0], cfg.q_size), lw.o_proj)
-            h = h + self._mlp(lw, rms_norm(h, lw.post_norm, cfg.rms_norm_eps))
+            h = lk.o_proj(attn.reshape(attn.shape[0], cfg.q_size), residual=h)
+            h = self._mlp(lk, h)
         return self._logits(h[batch.logits_index])
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
         """Returns fp32 logits [B, vocab], one row per sequence."""
-        cfg = self.cfg
-        h = self.w.embed[batch.token_ids]  # [B, hidden]
-        b = h.shape[0]
-        for li, lw in enumerate(self.w.layers):
-            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
-            q, k, v = self._qkv(lw, x, batch.positions)
+        if not self.fast:
+            return self._decode_reference(batch, cache)
+        b, n_blocks = batch.block_table.shape
+        meta = PagedDecodeMeta(block_ids=batch.block_table.reshape(-1), bias=batch.bias, batch=b, n_blocks=n_blocks)
+        h = self.embed[batch.token_ids]  # [B, hidden]
+        rope = self._rope_tables(batch.positions)
+        for li, lk in enumerate(self.layers):
+            q, k, v = self._qkv(lk, self._norm(h, lk.input_norm), batch.positions, rope)
             write_kv(cache.k[li], cache.v[li], batch.slots, k, v)
-            attn = decode_attention(q, cache.k[li], cache.v[li], batch.slot_table, batch.valid, self.scale)
-            h = h + F.linear(attn.reshape(b, cfg.q_size), lw.o_proj)
-            h = h + self._mlp(lw, rms_norm(h, lw.post_norm, cfg.rms_norm_eps))
+            attn = paged_decode_attention(q, cache.k[li], cache.v[li], meta, self.ws, self.scale)  # [B, H * D]
+            h = lk.o_proj(attn, residual=h)
+            h = self._mlp(lk, h)
+        return self._logits(h)
+
+    def _decode_reference(self, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
+        cfg = self.cfg
+        bs = cache.block_size
+        max_len = int(batch.positions.max()) + 1
+        cols = torch.arange(max_len, device=self.device)  # [L]
+        slot_table = batch.block_table[:, cols // bs] * bs + cols % bs  # [B, L]
+        valid = cols.unsqueeze(0) <= batch.positions.unsqueeze(1)  # [B, L]
+        h = self.embed[batch.token_ids]  # [B, hidden]
+        b = h.shape[0]
+        for li, lk in enumerate(self.layers):
+            q, k, v = self._qkv(lk, self._norm(h, lk.input_norm), batch.positions, self._rope_tables(batch.positions))
+            write_kv(cache.k[li], cache.v[li], batch.slots, k, v)
+            attn = decode_attention(q, cache.k[li], cache.v[li], slot_table, valid, self.scale)
+            h = lk.o_proj(attn.reshape(b, cfg.q_size), residual=h)
+            h = self._mlp(lk, h)
         return self._logits(h)

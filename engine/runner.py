@@ -4,7 +4,9 @@ Owns: the only translation from block tables to cache slots, and the calls into 
 Workers describe *what* to run with `PrefillChunk` / `DecodeSeq`; this module decides *how*.
 
 Invariants: a block table must cover every position it is asked to write (checked, with a clear
-error); the runner never allocates or frees blocks — that is the caller's `BlockPool`.
+error); the runner never allocates or frees blocks — that is the caller's `BlockPool`. Everything a
+step's layers share (slots, block tables, the decode mask) is built here once per step, in Python
+lists turned into tensors in one call each, never per layer.
 """
 
 from __future__ import annotations
@@ -45,15 +47,15 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.device = model.device
 
-    def _slots(self, block_table: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
-        needed = int(positions.max()) // self.block_size + 1 if positions.numel() else 0
-        if needed > len(block_table):
+    def _check_table(self, block_table: Sequence[int], last_pos: int) -> int:
+        """Blocks needed to hold positions ``0..last_pos``; raises if the table is too short."""
+        need = last_pos // self.block_size + 1
+        if need > len(block_table):
             raise ValueError(
-                f"block table of {len(block_table)} blocks cannot hold position {int(positions.max())} "
+                f"block table of {len(block_table)} blocks cannot hold position {last_pos} "
                 f"(block_size {self.block_size})"
             )
-        bt = torch.tensor(list(block_table), dtype=torch.long, device=self.device)
-        return bt[positions // self.block_size] * self.block_size + positions % self.block_size
+        return need
 
     def prefill(self, chunks: Sequence[PrefillChunk], all_logits: bool = False) -> torch.Tensor:
         """Run the chunks in one forward.
@@ -63,10 +65,11 @@ class ModelRunner:
         """
         if not chunks:
             raise ValueError("prefill of an empty batch")
+        bs = self.block_size
         tokens: list[int] = []
-        pos_parts: list[torch.Tensor] = []
-        slot_parts: list[torch.Tensor] = []
-        ctx_slots: list[torch.Tensor | None] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        ctx_blocks: list[torch.Tensor | None] = []
         seq_lens: list[int] = []
         starts: list[int] = []
         last_rows: list[int] = []
@@ -74,14 +77,14 @@ class ModelRunner:
             n = len(c.token_ids)
             if n == 0:
                 raise ValueError("prefill chunk with no tokens")
-            positions = torch.arange(c.start_pos, c.start_pos + n, device=self.device)
-            pos_parts.append(positions)
-            slot_parts.append(self._slots(c.block_table, positions))
-            if c.start_pos > 0:
-                all_pos = torch.arange(0, c.start_pos + n, device=self.device)
-                ctx_slots.append(self._slots(c.block_table, all_pos))
-            else:
-                ctx_slots.append(None)
+            end = c.start_pos + n
+            need = self._check_table(c.block_table, end - 1)
+            table = list(c.block_table[:need])
+            positions.extend(range(c.start_pos, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start_pos, end))
+            ctx_blocks.append(
+                torch.tensor(table, dtype=torch.long, device=self.device) if c.start_pos > 0 else None
+            )
             tokens.extend(c.token_ids)
             seq_lens.append(n)
             starts.append(c.start_pos)
@@ -89,11 +92,11 @@ class ModelRunner:
         total = len(tokens)
         batch = PrefillBatch(
             token_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
-            positions=torch.cat(pos_parts),
-            slots=torch.cat(slot_parts),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            slots=torch.tensor(slots, dtype=torch.long, device=self.device),
             seq_lens=seq_lens,
             start_positions=starts,
-            context_slots=ctx_slots,
+            context_blocks=ctx_blocks,
             logits_index=(
                 torch.arange(total, device=self.device)
                 if all_logits
@@ -107,27 +110,21 @@ class ModelRunner:
         if not seqs:
             raise ValueError("decode of an empty batch")
         bs = self.block_size
-        positions = torch.tensor([s.position for s in seqs], dtype=torch.long, device=self.device)
-        max_len = int(positions.max()) + 1
-        n_blocks = (max_len + bs - 1) // bs
-        table = torch.zeros((len(seqs), n_blocks), dtype=torch.long, device=self.device)
-        for i, s in enumerate(seqs):
-            need = s.position // bs + 1
-            if need > len(s.block_table):
-                raise ValueError(
-                    f"block table of {len(s.block_table)} blocks cannot hold position {s.position} "
-                    f"(block_size {bs})"
-                )
-            table[i, :need] = torch.tensor(list(s.block_table[:need]), dtype=torch.long)
-        cols = torch.arange(max_len, device=self.device)  # [L]
-        slot_table = table[:, cols // bs] * bs + cols % bs  # [B, L]
-        valid = cols.unsqueeze(0) <= positions.unsqueeze(1)  # [B, L]
-        slots = slot_table.gather(1, positions.unsqueeze(1)).squeeze(1)  # [B]
+        needs = [self._check_table(s.block_table, s.position) for s in seqs]
+        n_blocks = max(needs)
+        # Padding blocks (block 0, always a valid id) lie beyond every position and are masked out.
+        rows = [[*s.block_table[:need], *([0] * (n_blocks - need))] for s, need in zip(seqs, needs, strict=True)]
+        pos_list = [s.position for s in seqs]
+        slots = [row[p // bs] * bs + p % bs for row, p in zip(rows, pos_list, strict=True)]
+        positions = torch.tensor(pos_list, dtype=torch.long, device=self.device)  # [B]
+        cols = torch.arange(n_blocks * bs, device=self.device)  # [L]
+        bias = torch.zeros((len(seqs), n_blocks * bs, 1), dtype=torch.float32, device=self.device)
+        bias.masked_fill_((cols.unsqueeze(0) > positions.unsqueeze(1)).unsqueeze(-1), float("-inf"))
         batch = DecodeBatch(
             token_ids=torch.tensor([s.token_id for s in seqs], dtype=torch.long, device=self.device),
             positions=positions,
-            slots=slots,
-            slot_table=slot_table,
-            valid=valid,
+            slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+            block_table=torch.tensor(rows, dtype=torch.long, device=self.device),  # [B, n_blocks]
+            bias=bias,  # [B, L, 1]
         )
         return self.model.decode(batch, self.cache)
