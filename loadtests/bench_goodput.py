@@ -3,10 +3,10 @@
 Owns the goodput benchmark: per mode (default ``colocated-chunked``, ``disaggregated``,
 ``colocated``) it starts ``pdserve serve --config deploy/bench-<mode>.yaml``, warms it up, measures
 an **unloaded baseline** (chat requests one at a time, then one long prompt), then for each rate
-sends the ``mixed`` profile open loop — Poisson arrivals, the same seeded schedule of arrival
-times, kinds and prompts for every mode — for ``window_s`` seconds, waits up to ``drain_s`` for
-the requests in flight, cuts the rest (they count as missing their SLOs) and waits for the
-replicas to go idle before the next rate.
+sends the ``mixed`` profile open loop — Poisson arrivals, kinds in the profile's proportions
+(stratified), the same seeded schedule of arrival times, kinds and prompts for every mode — for
+``window_s`` seconds, waits up to ``drain_s`` for the requests in flight, cuts the rest (they count
+as missing their SLOs) and waits for the replicas to go idle before the next rate.
 
 SLOs are fixed after every mode ran, from the baselines: TTFT target = ``ttft_scale`` × the best
 (lowest across modes) unloaded TTFT of that request kind; TPOT target = ``tpot_scale`` × the best
@@ -52,7 +52,7 @@ from loadtests.bench_common import (
     yaml_config,
 )
 from loadtests.bench_interference import MODES, SETUP_TEXT
-from loadtests.profiles import CHAT, LONG, Workload, chat_body, get_profile
+from loadtests.profiles import CHAT, LONG, Profile, Workload, chat_body, get_profile
 from loadtests.schemas import GOODPUT_SCHEMA
 
 DEFAULT_MODES = ("colocated-chunked", "disaggregated", "colocated")
@@ -78,15 +78,29 @@ class Arrival:
 
 
 def schedule(rate: float, window_s: float, profile: str, seed: int) -> list[Arrival]:
-    """Poisson arrivals at ``rate`` over ``window_s``: kinds and prompts drawn from one seeded stream."""
+    """Poisson arrivals at ``rate`` over ``window_s``, kinds in the profile's proportions, one seeded stream.
+
+    Kinds are stratified, not drawn one by one: a 30 s window holds only a handful of requests, and
+    independent 10% draws would often give a "mixed" window without a single long prompt.
+    """
     rng = random.Random(f"{seed}-{rate}")
-    prof = get_profile(profile)
-    out: list[Arrival] = []
+    times: list[float] = []
     t = rng.expovariate(rate)
     while t < window_s:
-        w = prof.pick(rng)
-        out.append(Arrival(t, w, chat_body(MODEL, w, rng)))
+        times.append(t)
         t += rng.expovariate(rate)
+    kinds = stratified(get_profile(profile), len(times), rng)
+    return [Arrival(at, w, chat_body(MODEL, w, rng)) for at, w in zip(times, kinds, strict=True)]
+
+
+def stratified(profile: Profile, n: int, rng: random.Random) -> list[Workload]:
+    """``n`` workloads in the profile's proportions (each kind at least once when n allows), shuffled."""
+    weighted = sorted(profile.workloads, key=lambda x: -x[1])
+    total = sum(wt for _, wt in weighted)
+    counts = [max(1, round(n * wt / total)) if n >= len(weighted) else 0 for _, wt in weighted]
+    counts[0] += n - sum(counts)  # the most common kind absorbs the rounding
+    out = [w for (w, _), c in zip(weighted, counts, strict=True) for _ in range(c)]
+    rng.shuffle(out)
     return out
 
 
@@ -209,7 +223,7 @@ def build_doc(runs: Mapping[str, ModeRun], plan: Plan, configs: Mapping[str, Any
     modes = {m: {"baseline": r.baseline, "rates": [rate_point(x, slo) for x in r.rates],
                  "server_metrics": r.server_metrics, "load_avg_1m_end": r.load_avg_1m} for m, r in runs.items()}
     setup = {"description": SETUP_TEXT + "; open loop, Poisson arrivals, mixed profile (90% chat 100→128 tokens, "
-                            "10% long 2,000→64 tokens), same seeded schedule for every mode"
+                            "10% long 2,000→64 tokens, stratified), same seeded schedule for every mode"
                             + (f"; {note}" if note else ""),
              "plan": asdict(plan), "modes": list(runs)}
     return result_doc("goodput", setup, configs, {"slo": slo, "modes": modes}, machine_info)
