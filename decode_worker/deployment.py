@@ -30,6 +30,7 @@ from engine.errors import QueueFullError
 from engine.tokenizer import Tokenizer
 from kv_transfer.client import KVPuller, PullerConfig
 from kv_transfer.layout import KVLayout
+from prefill_worker.deployment import node_address
 from prefill_worker.types import LoadReport
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,8 @@ class DecodeServer:
         importer = None
         if config.mode != "colocated":
             layout = KVLayout.from_model(self.engine.model_config, config.engine.dtype, self.engine.block_size)
-            puller = KVPuller(
-                config.kv.secret.encode(), layout, PullerConfig(host=config.kv.host, transport=config.kv.transport)
-            )
+            host = config.kv.host or node_address()
+            puller = KVPuller(config.kv.secret.encode(), layout, PullerConfig(host=host, transport=config.kv.transport))
             importer = RemoteImporter(puller, timeout_s=config.kv.timeout_s)
         self.replica_id = f"{'colocated' if config.mode == 'colocated' else 'decode'}-{os.getpid()}"
         self.worker = DecodeWorker(self.engine, config, importer, eos, self.replica_id)

@@ -31,6 +31,20 @@ from prefill_worker.worker import PrefillWorker
 log = logging.getLogger(__name__)
 
 
+def node_address() -> str:
+    """This node's address as Ray knows it (what other nodes reach), outside Ray the host's IP."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except Exception:
+        pass
+    from kv_transfer.server import node_ip
+
+    return node_ip()
+
+
 class PrefillServer:
     def __init__(self, config: PrefillWorkerConfig) -> None:
         if config.engine.num_threads:
@@ -46,7 +60,7 @@ class PrefillServer:
             config.kv.secret.encode(),
             layout,
             SourceConfig(
-                host=config.kv.host,
+                host=config.kv.host or node_address(),
                 port=config.kv.port,
                 transport=config.kv.transport,
                 transfer_timeout_s=config.kv.timeout_s,
@@ -106,14 +120,18 @@ class PrefillServer:
             "source": self.source.stats().__dict__ | {"outbox": self.outbox.stats().__dict__},
         }
 
-    async def shutdown(self, drain_timeout_s: float = 10.0) -> None:
-        """Graceful drain: refuse new work, finish queued prefills, free what the outbox holds."""
+    async def shutdown(self, drain_timeout_s: float | None = None) -> None:
+        """Graceful drain: refuse new work, finish queued prefills, let decode replicas pull what the
+        outbox holds (bounded by the lease), then free whatever is left."""
         self._draining = True
+        limit = self.config.kv.lease_s if drain_timeout_s is None else drain_timeout_s
+        deadline = time.monotonic() + limit
         if self.worker is not None:
-            deadline = time.monotonic() + drain_timeout_s
             while self.worker.waiting and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             await self.worker.stop()
+        while self.outbox.pending() and time.monotonic() < deadline:  # handles already returned
+            await asyncio.sleep(0.05)
         await self.source.stop(release_pending=True)
 
     async def __del__(self) -> None:  # Serve awaits an async __del__ when it stops a replica
