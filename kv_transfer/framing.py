@@ -63,9 +63,10 @@ async def send_message(writer: asyncio.StreamWriter, msg: Message, *, timeout_s:
     await write_frame(writer, encode_message(msg), timeout_s=timeout_s)
 
 
-async def recv_message(reader: asyncio.StreamReader, *, timeout_s: float) -> Message:
+async def recv_message(reader: asyncio.StreamReader, *, timeout_s: float,
+                       max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     try:
-        return decode_message(await read_frame(reader, timeout_s=timeout_s))
+        return decode_message(await read_frame(reader, timeout_s=timeout_s, max_bytes=max_bytes))
     except TransferError:  # TransferTimeout is an OSError (TimeoutError): keep it as it is
         raise
     except OSError as e:

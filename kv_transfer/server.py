@@ -16,7 +16,8 @@ Life cycle of a transfer on the source:
 Invariants: the event loop never blocks (gather/send/open/close run in a dedicated executor);
 transfers on one pair are serialized (one connection = one pair, its handler is sequential and
 holds the pair's lock); different pairs run concurrently; a peer that is slow, silent, garbage or
-unauthenticated costs at most its timeouts and never affects other pairs; every refusal is an
+unauthenticated costs at most its timeouts (and, before it authenticates, a frame of at most
+`MAX_HELLO_BYTES`) and never affects other pairs; every refusal is an
 ``Error`` frame with a reason; blocks are read only while their entry is in flight (the stream is
 cancelled, or the gather ran to completion, before a failed entry is requeued); the control
 connection is read during the data plane, so a destination that dies fails the transfer at once.
@@ -56,6 +57,9 @@ from kv_transfer.transport import (
 )
 
 log = logging.getLogger(__name__)
+
+#: Largest frame accepted before authentication (a HELLO is under 400 bytes).
+MAX_HELLO_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,8 @@ class KVSource:
         timeout = self.config.handshake_timeout_s
         challenge = make_challenge(self.node_id)
         await send_message(writer, challenge, timeout_s=timeout)
-        hello = await recv_message(reader, timeout_s=timeout)
+        # A HELLO is a few hundred bytes: an unauthenticated peer may not make us buffer a 1 MiB frame.
+        hello = await recv_message(reader, timeout_s=timeout, max_bytes=MAX_HELLO_BYTES)
         if not isinstance(hello, Hello):
             await self._send_error(writer, "auth", f"expected hello, got {hello.TYPE}")
             raise AuthError(f"expected hello, got {hello.TYPE}")
