@@ -54,12 +54,16 @@ def cluster_args(model: str, *, prefill: dict[str, Any] | None = None, decode: d
 
 
 @contextmanager
-def deploy(app: Any, name: str, base: str, timeout_s: float = 180.0) -> Iterator[str]:
-    """Run ``app`` as ``name`` at ``/name``; yields its base URL; deletes the app on exit."""
+def deploy(app: Any, name: str, base: str, timeout_s: float = 180.0,
+           headers: dict[str, str] | None = None) -> Iterator[str]:
+    """Run ``app`` as ``name`` at ``/name``; yields its base URL; deletes the app on exit.
+
+    ``headers`` go with the ``/ready`` polls (an API key when ``/ready`` is not public).
+    """
     try:
         serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
         url = f"{base}/{name}"
-        wait_ready(url, timeout_s)
+        wait_ready(url, timeout_s, headers)
         yield url
     finally:
         try:
