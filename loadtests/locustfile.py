@@ -1,9 +1,10 @@
 """Locust users for pdserve: OpenAI streaming chat requests that report TTFT, ITL, TPOT and E2E.
 
 Owns: `StreamingChatUser` (closed loop: each user sends its next request when the stream ends) and
-the custom command-line options ``--profile`` (``chat`` | ``long`` | ``mixed``, env
-``PDSERVE_PROFILE``), ``--model`` (env ``PDSERVE_MODEL``), ``--max-tokens`` (env
-``PDSERVE_MAX_TOKENS``, overrides the profile's output length) and ``--seed``.
+the command-line options ``--profile`` (``chat`` | ``long`` | ``mixed``, env ``PDSERVE_PROFILE``;
+locust's own run-label option, read here as the workload profile), ``--model`` (env
+``PDSERVE_MODEL``), ``--max-tokens`` (env ``PDSERVE_MAX_TOKENS``, overrides the profile's output
+length) and ``--seed``.
 
 Every request posts ``/v1/chat/completions`` with ``stream: true``, ``stream_options.include_usage``,
 ``temperature: 0`` and ``ignore_eos: true`` (so output lengths are the profile's). Besides locust's
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import os
 import random
 import time
 from typing import Any
@@ -36,12 +39,29 @@ PATH = "/v1/chat/completions"
 
 @events.init_command_line_parser.add_listener
 def _add_options(parser: LocustArgumentParser) -> None:
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="mixed", env_var="PDSERVE_PROFILE",
-                        help="workload profile (loadtests/profiles.py)")
+    # ``--profile`` is locust's own option (a label for the run, shown in the report): we read it as the
+    # workload profile, so the report names the profile that ran.
     parser.add_argument("--model", default=DEFAULT_MODEL, env_var="PDSERVE_MODEL", help="served model name")
     parser.add_argument("--max-tokens", type=int, default=0, env_var="PDSERVE_MAX_TOKENS",
                         help="output tokens per request (0: the profile's)")
     parser.add_argument("--seed", type=int, default=0, env_var="PDSERVE_SEED", help="prompt and mix seed")
+
+
+def profile_name(env: Environment) -> str:
+    """``--profile`` (locust's option), else ``PDSERVE_PROFILE``, else ``mixed``."""
+    opts = env.parsed_options
+    return (getattr(opts, "profile", None) if opts is not None else None) or os.environ.get(
+        "PDSERVE_PROFILE", "mixed")
+
+
+@events.init.add_listener
+def _check_profile(environment: Environment, **_: Any) -> None:
+    name = profile_name(environment)
+    if name not in PROFILES:
+        logging.error("unknown --profile %r; expected one of %s", name, ", ".join(sorted(PROFILES)))
+        environment.process_exit_code = 2
+        if environment.runner is not None:
+            environment.runner.quit()
 
 
 class StreamingChatUser(HttpUser):
@@ -52,7 +72,7 @@ class StreamingChatUser(HttpUser):
 
     def on_start(self) -> None:
         opts = self.environment.parsed_options
-        self.profile: Profile = get_profile(getattr(opts, "profile", "mixed"), getattr(opts, "max_tokens", 0) or None)
+        self.profile: Profile = get_profile(profile_name(self.environment), getattr(opts, "max_tokens", 0) or None)
         self.model: str = getattr(opts, "model", DEFAULT_MODEL)
         StreamingChatUser._next_id += 1
         self.rng = random.Random(f"{getattr(opts, 'seed', 0)}-{StreamingChatUser._next_id}")
