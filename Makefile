@@ -66,5 +66,11 @@ loadtest: $(STAMP)
 		--host $(HOST) --profile $(PROFILE) --csv results/loadtest_$(PROFILE) \
 		--html results/loadtest_$(PROFILE).html --only-summary
 
+# Soak: the mixed profile at a steady rate for SOAK_MINUTES against a cluster it starts (CONFIG) →
+# results/soak.json; fails on any error or a replica RSS growth of 5% or more after minute 1.
+SOAK_MINUTES ?= 10
+soak: prepare-model
+	$(PY) -m loadtests.soak --config $(CONFIG) --minutes $(SOAK_MINUTES)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
