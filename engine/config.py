@@ -185,7 +185,13 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cpu_affinity: tuple[int, ...] = ()  # pin this process to these cores (benchmarks on small machines)
+    quantization: str | None = None  # None, or "int8": weight-only int8 linear layers (`engine.quant`)
+    fast_kernels: bool = True  # False: the plain reference forward (F.linear, slot gathers), for tests
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; expected None or 'int8'")
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:

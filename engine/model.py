@@ -3,9 +3,10 @@
 Owns: one forward for a *batch of prefill chunks* (each sequence may start after cached prefix
 tokens) and one for a *batched decode step* (one token per sequence, contexts of any length), each
 in two variants chosen at construction:
-- ``fast=True`` (default): oneDNN-prepacked weights (or int8, `engine.quant`) with the residual add
-  fused into o_proj/down, RoPE for q and k in one pass from per-dtype tables gathered once per step,
-  and `attention.paged_decode_attention` over whole cache blocks;
+- ``fast=True`` (default): oneDNN-prepacked weights (or int8, `engine.quant`) with the RMSNorm gains
+  folded into the next linear's weight and the residual add fused into o_proj/down, RoPE for q and k
+  in one pass from per-dtype tables gathered once per step, and `attention.paged_decode_attention`
+  over whole cache blocks;
 - ``fast=False``: the plain reference (``F.linear``, transformers' op order, slot-by-slot gathers,
   SDPA with a bool mask), kept to test the fast path against.
 Batch preparation (positions, slots, block tables, masks) is the caller's (`engine.runner`); this
@@ -32,7 +33,7 @@ from engine.attention import (
     prefill_attention,
     write_kv,
 )
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCache
 from engine.quant import Linear, make_linear
 from engine.rope import RotaryEmbedding
@@ -60,7 +61,7 @@ class DecodeBatch:
     positions: torch.Tensor  # [B]
     slots: torch.Tensor  # [B] slot of the new token
     block_table: torch.Tensor  # [B, n_blocks] padded with a valid block id (masked out)
-    bias: torch.Tensor  # [B, n_blocks * block_size, 1] fp32: 0 where a position is visible, -inf after
+    bias: torch.Tensor  # [B, 1, n_blocks * block_size] fp32: 0 where a position is visible, -inf after
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,22 +114,27 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
         self.ws = Workspace()
 
-        def lin(w: torch.Tensor, b: torch.Tensor | None = None, quantize: bool = True) -> Linear:
+        def lin(
+            w: torch.Tensor, b: torch.Tensor | None = None, norm: torch.Tensor | None = None, quantize: bool = True
+        ) -> Linear:
+            if self.fast and norm is not None:
+                # W @ (g * x) == (W * g) @ x: the fast path folds the RMSNorm gain g into the weight.
+                w = (w.float() * norm.float()).to(w.dtype)
             return make_linear(w, b, fast=self.fast, quantization=quantization if quantize else None)
 
         # The loaded tensors are not kept: a packed or int8 kernel replaces its plain weight.
         self.layers = [
             LayerKernels(
                 input_norm=lw.input_norm,
-                qkv=lin(lw.qkv, lw.qkv_bias),
+                qkv=lin(lw.qkv, lw.qkv_bias, norm=lw.input_norm),
                 o_proj=lin(lw.o_proj),
                 post_norm=lw.post_norm,
-                gate_up=lin(lw.gate_up),
+                gate_up=lin(lw.gate_up, norm=lw.post_norm),
                 down=lin(lw.down),
             )
             for lw in weights.layers
         ]
-        self.lm_head = lin(weights.lm_head, quantize=quantize_lm_head)
+        self.lm_head = lin(weights.lm_head, norm=weights.norm, quantize=quantize_lm_head)
 
     def weight_nbytes(self) -> int:
         """Bytes one forward streams for the weights (matrices, norms; not the embedding lookup)."""
@@ -141,9 +147,12 @@ class LlamaModel:
     # -- pieces shared by both forwards ----------------------------------------------------------
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.fast:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
-        return rms_norm(x, weight, self.cfg.rms_norm_eps)
+        """RMSNorm; on the fast path without the gain, which lives in the next linear's weight."""
+        if not self.fast:
+            return rms_norm(x, weight, self.cfg.rms_norm_eps)
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def _qkv(
         self, lk: LayerKernels, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
@@ -240,3 +249,8 @@ class LlamaModel:
             h = lk.o_proj(attn.reshape(b, cfg.q_size), residual=h)
             h = self._mlp(lk, h)
         return self._logits(h)
+
+
+def build_model(cfg: ModelConfig, weights: ModelWeights, max_positions: int, config: EngineConfig) -> LlamaModel:
+    """The model `EngineConfig` asks for: ``fast_kernels`` and ``quantization``."""
+    return LlamaModel(cfg, weights, max_positions, fast=config.fast_kernels, quantization=config.quantization)

@@ -118,13 +118,13 @@ class ModelRunner:
         slots = [row[p // bs] * bs + p % bs for row, p in zip(rows, pos_list, strict=True)]
         positions = torch.tensor(pos_list, dtype=torch.long, device=self.device)  # [B]
         cols = torch.arange(n_blocks * bs, device=self.device)  # [L]
-        bias = torch.zeros((len(seqs), n_blocks * bs, 1), dtype=torch.float32, device=self.device)
-        bias.masked_fill_((cols.unsqueeze(0) > positions.unsqueeze(1)).unsqueeze(-1), float("-inf"))
+        bias = torch.zeros((len(seqs), 1, n_blocks * bs), dtype=torch.float32, device=self.device)
+        bias.masked_fill_((cols.unsqueeze(0) > positions.unsqueeze(1)).unsqueeze(1), float("-inf"))
         batch = DecodeBatch(
             token_ids=torch.tensor([s.token_id for s in seqs], dtype=torch.long, device=self.device),
             positions=positions,
             slots=torch.tensor(slots, dtype=torch.long, device=self.device),
             block_table=torch.tensor(rows, dtype=torch.long, device=self.device),  # [B, n_blocks]
-            bias=bias,  # [B, L, 1]
+            bias=bias,  # [B, 1, L]
         )
         return self.model.decode(batch, self.cache)

@@ -1,0 +1,148 @@
+"""Every fast path against the plain reference path (``fast=False``) on tiny random models.
+
+The reference path is the one `test_model_oracle` holds to transformers at 1e-4; here the fast
+path (prepacked oneDNN linears with folded norm gains and fused residuals, fused RoPE, paged
+block-wise decode attention) must match it: to 1e-4 in fp32, and in bf16 to within twice the
+reference's own bf16 error (both measured against the fp32 reference).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import PagedDecodeMeta, Workspace, decode_attention, paged_decode_attention
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.model import LlamaModel
+from engine.quant import Linear, PackedLinear, make_linear, onednn_packing_available
+from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
+from engine.weights import load_weights
+from tests.tiny_models import make_tiny
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 6 heads over 2 KV heads: GQA groups of 3, as in SmolLM2.
+    return make_tiny(request.param, tmp_path_factory.mktemp(request.param), seed=5,
+                     num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+
+
+def runner(path: Path, dtype: torch.dtype, fast: bool, quantization: str | None = None) -> ModelRunner:
+    cfg = ModelConfig.from_dir(path)
+    model = LlamaModel(cfg, load_weights(path, cfg, dtype), 256, fast=fast, quantization=quantization)
+    return ModelRunner(model, KVCache.allocate(cfg, 64, BLOCK, dtype))
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def scenario(r: ModelRunner) -> list[torch.Tensor]:
+    """Batched prefill (one chunk after a cached prefix), then 3 batched decode steps.
+
+    Block tables are scattered on purpose (not 0, 1, 2, ...) so a slot or block mix-up shows.
+    """
+    tables = [[5, 9, 2, 30, 31, 17], [40, 3, 22, 8, 11], [50, 51, 52, 53, 54, 55, 56]]
+    prompts = [ids(21, 1), ids(4, 2), ids(37, 3)]
+    out = [r.prefill([PrefillChunk(prompts[0][:13], 0, tables[0])], all_logits=True)]
+    out.append(r.prefill([PrefillChunk(prompts[0][13:], 13, tables[0]), PrefillChunk(prompts[1], 0, tables[1]),
+                          PrefillChunk(prompts[2], 0, tables[2])], all_logits=True))
+    lens = [len(p) for p in prompts]
+    tok = [7, 8, 9]
+    for _ in range(3):
+        logits = r.decode([DecodeSeq(t, n, tb) for t, n, tb in zip(tok, lens, tables, strict=True)])
+        out.append(logits)
+        tok = logits.argmax(-1).tolist()
+        lens = [n + 1 for n in lens]
+    return out
+
+
+def test_fast_fp32_matches_reference(tiny_dir: Path) -> None:
+    ref = scenario(runner(tiny_dir, torch.float32, fast=False))
+    fast = scenario(runner(tiny_dir, torch.float32, fast=True))
+    for a, b in zip(fast, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path) -> None:
+    exact = scenario(runner(tiny_dir, torch.float32, fast=False))
+    ref = scenario(runner(tiny_dir, torch.bfloat16, fast=False))
+    fast = scenario(runner(tiny_dir, torch.bfloat16, fast=True))
+    ref_err = max((a - e).abs().max().item() for a, e in zip(ref, exact, strict=True))
+    fast_err = max((a - e).abs().max().item() for a, e in zip(fast, exact, strict=True))
+    assert fast_err <= 2 * ref_err + 1e-3, (fast_err, ref_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "group", "lengths"), [(1, 1, [1]), (2, 3, [1, 9, 16, 40]), (3, 3, [300])])
+def test_paged_decode_attention_matches_reference(dtype: torch.dtype, kv_heads: int, group: int,
+                                                   lengths: list[int]) -> None:
+    g = torch.Generator().manual_seed(len(lengths) * 7 + kv_heads)
+    d, bs, nb = 16, 16, 64
+    kc = torch.randn(nb, bs, kv_heads, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, kv_heads, d, generator=g).to(dtype)
+    kc[0].fill_(1e4)  # the padding block: masked, so its huge values must not leak
+    vc[0].fill_(1e4)
+    b = len(lengths)
+    n_blocks = max((n + bs - 1) // bs for n in lengths)
+    perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+    rows = []
+    for n in lengths:
+        need = (n + bs - 1) // bs
+        rows.append([perm.pop() for _ in range(need)] + [0] * (n_blocks - need))
+    table = torch.tensor(rows)  # [B, n_blocks]
+    pos = torch.tensor(lengths) - 1
+    q = torch.randn(b, kv_heads * group, d, generator=g).to(dtype)
+    cols = torch.arange(n_blocks * bs)
+    bias = torch.zeros(b, 1, n_blocks * bs).masked_fill_((cols[None] > pos[:, None]).unsqueeze(1), float("-inf"))
+    ws = Workspace()
+    for _ in range(2):  # a second call reuses the workspace buffers
+        got = paged_decode_attention(q, kc, vc, PagedDecodeMeta(table.reshape(-1), bias, b, n_blocks), ws, d**-0.5)
+    ctx = torch.arange(int(pos.max()) + 1)
+    slot_table = table[:, ctx // bs] * bs + ctx % bs
+    want = decode_attention(q.float(), kc.float(), vc.float(), slot_table, ctx[None] <= pos[:, None], d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want.reshape(b, -1), atol=tol, rtol=tol)
+
+
+def test_workspace_reuse_across_batch_sizes_keeps_zeros() -> None:
+    """The block-diagonal query buffer is shared by steps of any batch size: off-diagonals stay 0."""
+    ws = Workspace()
+    big = ws.zeros("qblk", (4, 2, 3, 2, 8), torch.float32, torch.device("cpu"))
+    big.diagonal(dim1=1, dim2=3).fill_(1.0)
+    small = ws.zeros("qblk", (2, 2, 3, 2, 8), torch.float32, torch.device("cpu"))
+    assert small.data_ptr() == big.data_ptr()
+    off = small.clone()
+    off.diagonal(dim1=1, dim2=3).zero_()
+    assert off.abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_f_linear(dtype: torch.dtype) -> None:
+    if not onednn_packing_available(dtype):
+        pytest.skip("no oneDNN weight packing in this torch build")
+    g = torch.Generator().manual_seed(0)
+    w, bias = torch.randn(48, 32, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
+    lin = make_linear(w, bias)
+    assert isinstance(lin, PackedLinear)
+    assert lin.nbytes == Linear(w, bias).nbytes
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    for rows in (1, 5, 64):
+        x, res = torch.randn(rows, 32, generator=g).to(dtype), torch.randn(rows, 48, generator=g).to(dtype)
+        want = F.linear(x.float(), w.float(), bias.float())
+        torch.testing.assert_close(lin(x).float(), want, atol=tol, rtol=tol)
+        torch.testing.assert_close(lin(x, residual=res).float(), want + res.float(), atol=tol, rtol=tol)
+
+
+def test_decode_refuses_short_block_table(tiny_dir: Path) -> None:
+    r = runner(tiny_dir, torch.float32, fast=True)
+    with pytest.raises(ValueError, match="cannot hold position 16"):
+        r.decode([DecodeSeq(5, 16, [1, 2])])
+    with pytest.raises(ValueError, match="cannot hold position 8"):
+        r.prefill([PrefillChunk([1] * 9, 0, [3])])
