@@ -1,177 +1,450 @@
 """`make bench-engine`: prefill and decode speed of the engine vs transformers, with this machine's limits.
 
 Writes ``results/engine.json`` (schema: `loadtests.schemas.ENGINE_SCHEMA`) and ``results/engine.png``.
-Medians of repeated runs; ratios come from numbers measured in this same run.
+Medians of repeated runs; every ratio divides numbers measured in this same run: the matmul peak
+and matrix-vector read bandwidth (`loadtests.machine`), transformers on the same weights, and the
+bf16 engine next to its int8 twin. Sections: limits, per-dtype prefill/decode/transformers, int8
+(speed, greedy agreement, log-likelihood), a `torch.profiler` summary of decode steps, targets.
+
+FLOPs are the useful ones: every token's layer matmuls, causal attention over the keys each query
+sees, and the lm_head for the one row whose logits a prefill returns (transformers is asked for the
+same one row, ``logits_to_keep=1``). ``--quick`` runs tiny sizes for a smoke test.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import inspect
 import os
+import statistics
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.runner import DecodeSeq, PrefillChunk
-from loadtests.machine import machine_info, measure_limits, median_time
-
-PREFILL_LENS = (128, 512, 2048)
-DECODE_BATCHES = (1, 8, 32)
-DECODE_CONTEXTS = (256, 1024)
+from engine.model import LlamaModel
+from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
+from engine.weights import load_weights
+from loadtests import machine as mach
 
 
-def model_flops_per_token(eng: Engine, context: int) -> float:
-    """2 × non-embedding matmul params (+ lm_head) + attention (QK and PV) at this context."""
+@dataclass(frozen=True)
+class Sizes:
+    prefill: tuple[int, ...]
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    gen_tokens: int  # greedy continuation length for the int8 agreement check
+
+
+FULL = Sizes(prefill=(128, 512, 2048), batches=(1, 8, 32), contexts=(256, 1024), gen_tokens=32)
+QUICK = Sizes(prefill=(16, 64), batches=(1, 4), contexts=(16, 48), gen_tokens=8)
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence why the sky is blue.",
+    "List three uses of a paperclip.",
+    "Translate 'good morning' into Spanish and German.",
+    "What is 17 times 23? Show your steps.",
+    "Give me a short tip for learning to cook.",
+    "Describe a cat to someone who has never seen one.",
+]
+TEXT = (
+    "The river ran cold and clear through the valley, past the mill and the old stone bridge. In spring the "
+    "water rose with the melting snow, and the children of the village would stand on the bank to watch "
+    "branches and small pieces of ice float by. The miller, a patient man with flour in his beard, said the "
+    "river had a memory: it always returned to the same bed, however far the floods had pushed it. Scientists "
+    "who studied the valley later found that he was mostly right, although the channel had shifted by a few "
+    "metres every century, carving new bends and abandoning old ones as oxbow lakes."
+)
+
+
+def useful_flops(eng: Engine, n: int) -> float:
+    """FLOPs a prefill of ``n`` tokens (from position 0, last row's logits) must do."""
     c = eng.model_config
     per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
     per_layer += 3 * c.hidden_size * c.intermediate_size
-    matmul = 2 * (c.num_layers * per_layer + c.vocab_size * c.hidden_size)
-    attn = 2 * 2 * c.num_layers * c.q_size * context
+    matmul = 2 * c.num_layers * per_layer * n + 2 * c.vocab_size * c.hidden_size
+    attn = 2 * 2 * c.num_layers * c.q_size * n * (n + 1) / 2  # QK and PV over the keys each query sees
     return float(matmul + attn)
 
 
-def weight_bytes(eng: Engine) -> int:
-    w = eng.runner.model.w
-    total = sum(t.numel() * t.element_size() for t in (w.norm, w.lm_head))
-    for lw in w.layers:
-        total += sum(t.numel() * t.element_size() for t in (lw.qkv, lw.o_proj, lw.gate_up, lw.down))
-    return total
+def _timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    return mach.median_time(fn, repeats, warmup)
 
 
-def bench_prefill(eng: Engine, n: int, repeats: int) -> float:
-    ids = torch.randint(10, 1000, (n,)).tolist()
+def bench_prefill(eng: Engine, runner: ModelRunner, n: int, repeats: int) -> float:
+    vocab = eng.model_config.vocab_size
+    ids = torch.randint(3, min(1000, vocab), (n,), generator=torch.Generator().manual_seed(n)).tolist()
     blocks = eng.pool.allocate(eng.blocks_for(n))
     try:
-        return median_time(lambda: eng.runner.prefill([PrefillChunk(ids, 0, blocks)]), repeats, warmup=1)
+        return _timed(lambda: runner.prefill([PrefillChunk(ids, 0, blocks)]), repeats)
     finally:
         eng.pool.free(blocks)
 
 
-def bench_decode(eng: Engine, batch: int, context: int, repeats: int) -> float:
+def _decode_seqs(eng: Engine, batch: int, context: int) -> list[DecodeSeq]:
     tables = [eng.pool.allocate(eng.blocks_for(context + 1)) for _ in range(batch)]
+    return [DecodeSeq((100 + i) % eng.model_config.vocab_size, context, t) for i, t in enumerate(tables)]
+
+
+def _free(eng: Engine, seqs: Sequence[DecodeSeq]) -> None:
+    for s in seqs:
+        eng.pool.free(list(s.block_table))
+
+
+def bench_decode(eng: Engine, runners: dict[str, ModelRunner], batch: int, context: int, repeats: int
+                 ) -> dict[str, float]:
+    """Median step seconds of each runner, interleaved step by step so load hits them alike."""
+    seqs = _decode_seqs(eng, batch, context)
     try:
-        seqs = [DecodeSeq(100 + i, context, t) for i, t in enumerate(tables)]
-        return median_time(lambda: eng.runner.decode(seqs), repeats, warmup=2)
+        times: dict[str, list[float]] = {k: [] for k in runners}
+        for r in runners.values():
+            r.decode(seqs)
+            r.decode(seqs)
+        for _ in range(repeats):
+            for k, r in runners.items():
+                t0 = time.perf_counter()
+                r.decode(seqs)
+                times[k].append(time.perf_counter() - t0)
+        return {k: statistics.median(v) for k, v in times.items()}
     finally:
-        for t in tables:
-            eng.pool.free(t)
+        _free(eng, seqs)
 
 
-def bench_transformers(model_dir: Path, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
+def profile_decode(eng: Engine, runner: ModelRunner, batch: int, context: int, steps: int = 3,
+                   top: int = 10) -> dict[str, Any]:
+    """Where a decode step's time goes: the top ops by self CPU time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seqs = _decode_seqs(eng, batch, context)
+    try:
+        runner.decode(seqs)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                runner.decode(seqs)
+    finally:
+        _free(eng, seqs)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    ops = [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+            "calls_per_step": e.count / steps, "share": e.self_cpu_time_total / total} for e in events[:top]]
+    return {"batch": batch, "context": context, "profiled_step_ms": total / 1e3 / steps, "top_ops": ops}
+
+
+def bench_transformers(model_dir: Path, dtype: torch.dtype, sizes: Sizes, repeats: int) -> dict[str, Any]:
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    top = min(1000, hf.config.vocab_size)
     out: dict[str, Any] = {"prefill_s": {}, "decode_step_s": {}}
+    # transformers 5.x names the KV cache argument and output `cache`, 4.x `past_key_values`.
+    cache_kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     with torch.inference_mode():
-        for n in PREFILL_LENS:
-            ids = torch.randint(10, 1000, (1, n))
-            out["prefill_s"][str(n)] = median_time(lambda ids=ids: hf(ids), repeats, warmup=1)
-        for batch in DECODE_BATCHES:
-            for ctx in DECODE_CONTEXTS:
-                ids = torch.randint(10, 1000, (batch, ctx))
-                past = hf(ids, use_cache=True).past_key_values
-                nxt = torch.randint(10, 1000, (batch, 1))
+        for n in sizes.prefill:
+            ids = torch.randint(3, top, (1, n))
 
-                def step(nxt=nxt, past=past, ctx=ctx) -> None:
-                    hf(nxt, past_key_values=past, use_cache=True)
-                    past.crop(ctx)  # keep the context fixed across repeats
+            def prefill(ids: torch.Tensor = ids) -> None:
+                hf(ids, logits_to_keep=1)
 
-                out["decode_step_s"][f"{batch}x{ctx}"] = median_time(step, repeats, warmup=1)
+            out["prefill_s"][str(n)] = _timed(prefill, repeats)
+        for batch in sizes.batches:
+            for ctx in sizes.contexts:
+                ids = torch.randint(3, top, (batch, ctx))
+                past = getattr(hf(ids, use_cache=True, logits_to_keep=1), cache_kw)
+                nxt = torch.randint(3, top, (batch, 1))
+
+                def step(nxt: torch.Tensor = nxt, past: Any = past) -> None:
+                    hf(nxt, use_cache=True, **{cache_kw: past})
+                    past.crop(-1)  # drop the token just added: the context stays fixed across repeats
+
+                out["decode_step_s"][f"{batch}x{ctx}"] = _timed(step, repeats)
     return out
 
 
-def run(model: str, dtypes: list[str], repeats: int, with_hf: bool) -> dict[str, Any]:
-    result: dict[str, Any] = {
-        "benchmark": "engine",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine_info(),
-        "model": model,
-        "limits": measure_limits(),
-        "runs": [],
+# -- int8: speed next to bf16, and accuracy ---------------------------------------------------------
+
+
+def _prompt_ids(eng: Engine, n_random: int) -> list[list[int]]:
+    try:
+        from engine.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_dir(eng.model_dir)
+        return [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    except Exception:  # a model without a tokenizer (the tiny test models): fixed random prompts
+        g = torch.Generator().manual_seed(0)
+        return [torch.randint(3, eng.model_config.vocab_size, (n_random,), generator=g).tolist() for _ in PROMPTS]
+
+
+def _text_ids(eng: Engine) -> list[int]:
+    try:
+        from engine.tokenizer import Tokenizer
+
+        return list(Tokenizer.from_dir(eng.model_dir).encode(TEXT))
+    except Exception:
+        g = torch.Generator().manual_seed(1)
+        return torch.randint(3, eng.model_config.vocab_size, (96,), generator=g).tolist()
+
+
+def _greedy(eng: Engine, runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
+    blocks = eng.pool.allocate(eng.blocks_for(len(prompt) + n))
+    try:
+        out = [int(runner.prefill([PrefillChunk(prompt, 0, blocks)]).argmax(-1))]
+        while len(out) < n:
+            out.append(int(runner.decode([DecodeSeq(out[-1], len(prompt) + len(out) - 1, blocks)]).argmax(-1)))
+        return out
+    finally:
+        eng.pool.free(blocks)
+
+
+def _all_logits(eng: Engine, runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    blocks = eng.pool.allocate(eng.blocks_for(len(ids)))
+    try:
+        return runner.prefill([PrefillChunk(ids, 0, blocks)], all_logits=True)  # [S, V]
+    finally:
+        eng.pool.free(blocks)
+
+
+def int8_accuracy(eng: Engine, base: ModelRunner, q8: ModelRunner, sizes: Sizes) -> dict[str, Any]:
+    """Greedy agreement over the fixed prompts and the log-likelihood of a fixed text."""
+    agree = total = identical = 0
+    prefix_frac = []
+    for prompt in _prompt_ids(eng, 24):
+        ref = _greedy(eng, base, prompt, sizes.gen_tokens)
+        # teacher-forced: the int8 model's argmax at every step of the reference continuation
+        logits = _all_logits(eng, q8, prompt + ref[:-1])[len(prompt) - 1 :]
+        agree += int((logits.argmax(-1) == torch.tensor(ref)).sum())
+        total += len(ref)
+        mine = _greedy(eng, q8, prompt, sizes.gen_tokens)  # free-running
+        same = next((i for i, (a, b) in enumerate(zip(ref, mine, strict=True)) if a != b), len(ref))
+        prefix_frac.append(same / len(ref))
+        identical += int(same == len(ref))
+    ids = _text_ids(eng)
+    nll = {}
+    for name, r in (("base", base), ("int8", q8)):
+        lp = torch.log_softmax(_all_logits(eng, r, ids)[:-1], -1)
+        nll[name] = float(-lp.gather(1, torch.tensor(ids[1:])[:, None]).mean())
+    return {
+        "prompts": len(PROMPTS), "tokens_per_prompt": sizes.gen_tokens,
+        "greedy_agreement": agree / total,
+        "free_running_prefix_fraction": statistics.mean(prefix_frac),
+        "identical_continuations": identical,
+        "text_tokens": len(ids), "nll_base": nll["base"], "nll_int8": nll["int8"],
+        "nll_delta": nll["int8"] - nll["base"],
     }
-    steps = len(dtypes) * (len(PREFILL_LENS) + len(DECODE_BATCHES) * len(DECODE_CONTEXTS) + int(with_hf))
-    bar = tqdm(total=steps, desc="bench-engine")
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+def measure_limits(quick: bool) -> dict[str, float]:
+    if not quick:
+        lim = mach.measure_limits()
+    else:
+        lim = {"matmul_fp32_gflops": mach.matmul_peak_gflops(torch.float32, 256),
+               "matmul_bf16_gflops": mach.matmul_peak_gflops(torch.bfloat16, 256),
+               "read_gbs": mach.read_bandwidth_gbs(16 * 2**20),
+               "matvec_fp32_gbs": mach.matvec_bandwidth_gbs(torch.float32, 1024, 1024),
+               "matvec_bf16_gbs": mach.matvec_bandwidth_gbs(torch.bfloat16, 1024, 1024)}
+    lim["matvec_best_gbs"] = max(lim["matvec_fp32_gbs"], lim["matvec_bf16_gbs"])
+    return lim
+
+
+def run_dtype(eng: Engine, limits: dict[str, float], sizes: Sizes, repeats: int, with_hf: bool,
+              with_profile: bool) -> dict[str, Any]:
+    dt = "bf16" if eng.config.torch_dtype == torch.bfloat16 else "fp32"
+    runner, model = eng.runner, eng.runner.model
+    wbytes = model.weight_nbytes()
+    kv_tok = eng.model_config.kv_bytes_per_token(eng.config.torch_dtype)
+    bw = limits[f"matvec_{dt}_gbs"] * 1e9
+    out: dict[str, Any] = {"dtype": eng.config.dtype, "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
+                           "prefill": [], "decode": []}
+    for n in sizes.prefill:
+        t = bench_prefill(eng, runner, n, repeats)
+        gflops = useful_flops(eng, n) / t / 1e9
+        out["prefill"].append({"tokens": n, "seconds": t, "tokens_per_s": n / t, "gflops": gflops,
+                               "peak_fraction": gflops / limits[f"matmul_{dt}_gflops"]})
+    for batch in sizes.batches:
+        for ctx in sizes.contexts:
+            t = bench_decode(eng, {"x": runner}, batch, ctx, repeats)["x"]
+            floor = wbytes / bw
+            kv = batch * (ctx + 1) * kv_tok
+            out["decode"].append({
+                "batch": batch, "context": ctx, "step_ms": t * 1e3, "tokens_per_s": batch / t,
+                "weight_floor_ms": floor * 1e3, "vs_weight_floor": t / floor,
+                "vs_weight_floor_best_bw": t / (wbytes / (limits["matvec_best_gbs"] * 1e9)),
+                "weight_kv_floor_ms": (wbytes + kv) / bw * 1e3,
+            })
+    if with_hf:
+        out["transformers"] = bench_transformers(eng.model_dir, eng.config.torch_dtype, sizes, repeats)
+    if with_profile:
+        out["profile"] = [profile_decode(eng, runner, 1, sizes.contexts[0]),
+                          profile_decode(eng, runner, sizes.batches[-1], sizes.contexts[-1])]
+    return out
+
+
+def run_int8(eng: Engine, base_run: dict[str, Any], sizes: Sizes, repeats: int, with_profile: bool
+             ) -> dict[str, Any]:
+    """int8 (bf16 activations) next to the unquantized engine ``eng``, sharing its cache."""
+    cfg, dtype = eng.model_config, eng.config.torch_dtype
+    model = LlamaModel(cfg, load_weights(eng.model_dir, cfg, dtype), eng.max_model_len, quantization="int8")
+    q8 = ModelRunner(model, eng.cache)
+    out: dict[str, Any] = {"base_dtype": eng.config.dtype, "weight_bytes": model.weight_nbytes(),
+                           "base_weight_bytes": base_run["weight_bytes"], "decode": []}
+    for batch, ctx in [(1, c) for c in sizes.contexts] + [(sizes.batches[-1], sizes.contexts[-1])]:
+        t = bench_decode(eng, {"base": eng.runner, "int8": q8}, batch, ctx, repeats)
+        out["decode"].append({"batch": batch, "context": ctx, "step_ms": t["int8"] * 1e3,
+                              "base_step_ms": t["base"] * 1e3, "tokens_per_s": batch / t["int8"],
+                              "vs_base": t["int8"] / t["base"]})
+    out["prefill"] = [{"tokens": n, "seconds": bench_prefill(eng, q8, n, repeats)} for n in sizes.prefill[-1:]]
+    out["accuracy"] = int8_accuracy(eng, eng.runner, q8, sizes)
+    if with_profile:
+        out["profile"] = [profile_decode(eng, q8, 1, sizes.contexts[0])]
+    return out
+
+
+def _target(name: str, description: str, value: float | None, threshold: float, direction: str
+            ) -> dict[str, Any]:
+    met = None if value is None else (value <= threshold if direction == "<=" else value >= threshold)
+    return {"name": name, "description": description, "value": value, "threshold": threshold,
+            "direction": direction, "met": met}
+
+
+def targets(res: dict[str, Any], sizes: Sizes) -> list[dict[str, Any]]:
+    out = []
+    c0, c1, bmax = sizes.contexts[0], sizes.contexts[-1], sizes.batches[-1]
+    for r in res["runs"]:
+        dt = r["dtype"]
+        d1 = next(d for d in r["decode"] if d["batch"] == 1 and d["context"] == c0)
+        dmax = next(d for d in r["decode"] if d["batch"] == bmax and d["context"] == c1)
+        out.append(_target(f"decode_b1_vs_weight_floor_{dt}",
+                           f"decode step, batch 1, context {c0} ÷ (weight bytes ÷ this run's {dt} matvec bandwidth)",
+                           d1["vs_weight_floor"], 1.5, "<="))
+        hf = r.get("transformers", {}).get("decode_step_s", {})
+        for d, thr in ((d1, 2.0), (dmax, 3.0)):
+            key = f"{d['batch']}x{d['context']}"
+            ratio = d["tokens_per_s"] / (d["batch"] / hf[key]) if key in hf else None
+            out.append(_target(f"decode_b{d['batch']}_ctx{d['context']}_vs_transformers_{dt}",
+                               f"decode tokens/s, batch {d['batch']}, context {d['context']} ÷ transformers'",
+                               ratio, thr, ">="))
+        for p, thr in zip(r["prefill"][-2:], (0.75, 0.60), strict=True):
+            out.append(_target(f"prefill_{p['tokens']}_peak_fraction_{dt}",
+                               f"prefill of {p['tokens']} tokens: useful GFLOP/s ÷ this run's {dt} matmul peak",
+                               p["peak_fraction"], thr, ">="))
+    if "int8" in res:
+        q = res["int8"]
+        d1 = next(d for d in q["decode"] if d["batch"] == 1 and d["context"] == c0)
+        out.append(_target("int8_decode_b1_vs_base",
+                           f"int8 decode step, batch 1, context {c0} ÷ the {q['base_dtype']} step (interleaved)",
+                           d1["vs_base"], 0.6, "<="))
+        out.append(_target("int8_greedy_agreement",
+                           f"teacher-forced top-1 agreement with {q['base_dtype']} over {q['accuracy']['prompts']} "
+                           f"prompts × {q['accuracy']['tokens_per_prompt']} greedy tokens",
+                           q["accuracy"]["greedy_agreement"], 0.95, ">="))
+    return out
+
+
+def run(model: str, dtypes: list[str], sizes: Sizes, repeats: int, with_hf: bool, with_int8: bool,
+        with_profile: bool, quick: bool) -> dict[str, Any]:
+    loads = [os.getloadavg()[0]]
+    res: dict[str, Any] = {"limits": measure_limits(quick), "runs": []}
+    num_blocks = sizes.batches[-1] * (sizes.contexts[-1] // 16 + 2) + sizes.prefill[-1] // 16 + 64
     for dt in dtypes:
-        eng = Engine.load(model, EngineConfig(dtype=dt, num_blocks=32 * 1100 // 16 + 64, block_size=16))
-        run_: dict[str, Any] = {"dtype": dt, "weight_bytes": weight_bytes(eng), "prefill": [], "decode": []}
-        for n in PREFILL_LENS:
-            t = bench_prefill(eng, n, repeats)
-            flops = model_flops_per_token(eng, n // 2) * n
-            run_["prefill"].append(
-                {"tokens": n, "seconds": t, "tokens_per_s": n / t, "gflops": flops / t / 1e9}
-            )
-            bar.update()
-        for batch in DECODE_BATCHES:
-            for ctx in DECODE_CONTEXTS:
-                t = bench_decode(eng, batch, ctx, repeats)
-                run_["decode"].append(
-                    {"batch": batch, "context": ctx, "step_ms": t * 1e3, "tokens_per_s": batch / t}
-                )
-                bar.update()
-        if with_hf:
-            run_["transformers"] = bench_transformers(eng.model_dir, eng.config.torch_dtype, repeats)
-            bar.update()
-        result["runs"].append(run_)
+        eng = Engine.load(model, EngineConfig(dtype=dt, num_blocks=num_blocks, block_size=16))
+        res["runs"].append(run_dtype(eng, res["limits"], sizes, repeats, with_hf, with_profile))
+        loads.append(os.getloadavg()[0])
+        if with_int8 and (dt in ("bfloat16", "bf16") or (dt == dtypes[-1] and "int8" not in res)):
+            res["int8"] = run_int8(eng, res["runs"][-1], sizes, repeats, with_profile)
+            loads.append(os.getloadavg()[0])
         del eng
-    bar.close()
-    return result
+    res["targets"] = targets(res, sizes)
+    res["load_avg_1m"] = loads
+    return res
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot(doc: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in result["runs"]:
+    res = doc["results"]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for r in res["runs"]:
         ax1.plot([p["tokens"] for p in r["prefill"]], [p["tokens_per_s"] for p in r["prefill"]], "o-",
                  label=f"pdserve {r['dtype']}")
-        if "transformers" in r:
-            hf = r["transformers"]["prefill_s"]
-            ax1.plot([int(k) for k in hf], [int(k) / v for k, v in hf.items()], "x--",
+        hf = r.get("transformers", {})
+        if hf:
+            ax1.plot([int(k) for k in hf["prefill_s"]], [int(k) / v for k, v in hf["prefill_s"].items()], "x--",
                      label=f"transformers {r['dtype']}")
-        for ctx in DECODE_CONTEXTS:
+        for ctx in sorted({d["context"] for d in r["decode"]}):
             pts = [d for d in r["decode"] if d["context"] == ctx]
             ax2.plot([d["batch"] for d in pts], [d["tokens_per_s"] for d in pts], "o-",
                      label=f"pdserve {r['dtype']} ctx {ctx}")
-            if "transformers" in r:
-                hf = r["transformers"]["decode_step_s"]
-                ax2.plot([b for b in DECODE_BATCHES], [b / hf[f"{b}x{ctx}"] for b in DECODE_BATCHES], "x--",
-                         label=f"transformers {r['dtype']} ctx {ctx}")
+            if hf:
+                ax2.plot([d["batch"] for d in pts], [d["batch"] / hf["decode_step_s"][f"{d['batch']}x{ctx}"]
+                                                     for d in pts], "x--", label=f"transformers {r['dtype']} ctx {ctx}")
+    if "int8" in res:
+        pts = [d for d in res["int8"]["decode"] if d["batch"] == 1]
+        ax2.plot([1] * len(pts), [d["tokens_per_s"] for d in pts], "k*", label="int8 batch 1")
     ax1.set(title="prefill", xlabel="prompt tokens", ylabel="tokens/s", xscale="log")
-    ax2.set(title="decode", xlabel="batch size", ylabel="output tokens/s", xscale="log")
+    ax2.set(title="decode", xlabel="batch size", ylabel="output tokens/s", xscale="log", yscale="log")
+    tg = [t for t in res["targets"] if t["value"] is not None]
+    # value relative to its threshold, oriented so that > 1 always means "target met"
+    rel = [t["value"] / t["threshold"] if t["direction"] == ">=" else t["threshold"] / t["value"] for t in tg]
+    ax3.barh([t["name"] for t in tg], rel, color=["tab:green" if t["met"] else "tab:red" for t in tg])
+    ax3.axvline(1.0, color="k", lw=1)
+    ax3.set(title="targets (>1 = met)", xlabel="value vs threshold")
+    ax3.tick_params(axis="y", labelsize=6)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"{result['model']} on {result['machine']['cpu']} ({result['machine']['threads']} threads)",
-                 fontsize=9)
+        ax.legend(fontsize=6)
+    m = doc["machine"]
+    fig.suptitle(f"{doc['setup']['model']} on {m['cpu']} ({m['threads']} threads, load {res['load_avg_1m']})",
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+def main(argv: Sequence[str] | None = None) -> Path:
+    from loadtests.bench_common import machine, result_doc, write_result
+    from loadtests.schemas import ENGINE_SCHEMA
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="bundled name, .gguf or HF folder")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None, help="default 5 (2 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, numbers meaningless")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-int8", action="store_true")
+    ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--out", default="results/engine.json")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("PDSERVE_BENCH_THREADS", "2")))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = run(args.model, args.dtypes.split(","), args.repeats, not args.no_transformers)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    plot(result, out.with_suffix(".png"))
-    print(json.dumps(result, indent=2))
+    sizes = QUICK if args.quick else FULL
+    repeats = args.repeats or (2 if args.quick else 5)
+    dtypes = args.dtypes.split(",")
+    res = run(args.model, dtypes, sizes, repeats, not args.no_transformers, not args.no_int8,
+              not args.no_profile, args.quick)
+    setup = {"description": "engine prefill/decode vs transformers and this machine's limits, one process",
+             "model": args.model, "dtypes": dtypes, "quick": args.quick, "repeats": repeats,
+             "threads": args.threads, "sizes": {"prefill": list(sizes.prefill), "batches": list(sizes.batches),
+                                                "contexts": list(sizes.contexts)}}
+    info = machine()
+    info["threads"] = torch.get_num_threads()
+    doc = result_doc("engine", setup, {}, res, machine_info=info)
+    out = write_result(Path(args.out), doc, ENGINE_SCHEMA)
+    plot(doc, out.with_suffix(".png"))
+    for t in res["targets"]:
+        v = "n/a" if t["value"] is None else f"{t['value']:.3f}"
+        print(f"{'MET ' if t['met'] else 'MISS'} {t['name']}: {v} (target {t['direction']} {t['threshold']})")
+    return out
 
 
 if __name__ == "__main__":

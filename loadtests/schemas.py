@@ -180,3 +180,99 @@ GOODPUT_SCHEMA: dict[str, Any] = _doc("goodput", {
         "modes": {"type": "object", "minProperties": 1, "additionalProperties": _GOODPUT_MODE},
     },
 })
+
+
+# ---- engine (loadtests/bench_engine.py) ----
+
+_PROFILE: dict[str, Any] = {
+    "type": "object",
+    "description": "torch.profiler over a few decode steps: the top ops by self CPU time, per step",
+    "required": ["batch", "context", "profiled_step_ms", "top_ops"],
+    "properties": {
+        "batch": {"type": "integer", "minimum": 1},
+        "context": {"type": "integer", "minimum": 1},
+        "profiled_step_ms": _num(),
+        "top_ops": {"type": "array", "items": {
+            "type": "object", "required": ["op", "self_ms_per_step", "calls_per_step", "share"],
+            "properties": {"op": {"type": "string"}, "self_ms_per_step": _num(), "calls_per_step": _num(),
+                           "share": {"type": "number", "minimum": 0, "maximum": 1}}}},
+    },
+}
+
+_ENGINE_RUN: dict[str, Any] = {
+    "type": "object",
+    "description": "one dtype: the engine's prefill and decode, transformers on the same weights, a profile",
+    "required": ["dtype", "weight_bytes", "kv_bytes_per_token", "prefill", "decode"],
+    "properties": {
+        "dtype": {"type": "string"},
+        "weight_bytes": {"type": "integer", "minimum": 1, "description": "bytes one forward streams"},
+        "kv_bytes_per_token": {"type": "integer", "minimum": 1},
+        "prefill": {"type": "array", "items": {
+            "type": "object", "required": ["tokens", "seconds", "tokens_per_s", "gflops", "peak_fraction"],
+            "properties": {"tokens": {"type": "integer"}, "seconds": _num(), "tokens_per_s": _num(),
+                           "gflops": _num(), "peak_fraction": _num()},
+            "description": "one prompt from position 0; gflops counts useful FLOPs (see the benchmark's doc)"}},
+        "decode": {"type": "array", "items": {
+            "type": "object",
+            "required": ["batch", "context", "step_ms", "tokens_per_s", "weight_floor_ms", "vs_weight_floor",
+                         "vs_weight_floor_best_bw", "weight_kv_floor_ms"],
+            "properties": {"batch": {"type": "integer"}, "context": {"type": "integer"}, "step_ms": _num(),
+                           "tokens_per_s": _num(), "weight_floor_ms": _num(), "vs_weight_floor": _num(),
+                           "vs_weight_floor_best_bw": _num(), "weight_kv_floor_ms": _num()}}},
+        "transformers": {"type": "object", "required": ["prefill_s", "decode_step_s"], "properties": {
+            "prefill_s": {"type": "object", "additionalProperties": _num(), "description": "tokens → seconds"},
+            "decode_step_s": {"type": "object", "additionalProperties": _num(),
+                              "description": "'BATCHxCONTEXT' → seconds per step"}}},
+        "profile": {"type": "array", "items": _PROFILE},
+    },
+}
+
+_INT8: dict[str, Any] = {
+    "type": "object",
+    "description": "weight-only int8 next to the unquantized engine of base_dtype (interleaved timings)",
+    "required": ["base_dtype", "weight_bytes", "base_weight_bytes", "decode", "prefill", "accuracy"],
+    "properties": {
+        "base_dtype": {"type": "string"},
+        "weight_bytes": {"type": "integer"}, "base_weight_bytes": {"type": "integer"},
+        "decode": {"type": "array", "items": {
+            "type": "object", "required": ["batch", "context", "step_ms", "base_step_ms", "tokens_per_s", "vs_base"],
+            "properties": {"batch": {"type": "integer"}, "context": {"type": "integer"}, "step_ms": _num(),
+                           "base_step_ms": _num(), "tokens_per_s": _num(), "vs_base": _num()}}},
+        "prefill": {"type": "array", "items": {"type": "object", "required": ["tokens", "seconds"]}},
+        "accuracy": {
+            "type": "object",
+            "required": ["prompts", "tokens_per_prompt", "greedy_agreement", "free_running_prefix_fraction",
+                         "identical_continuations", "text_tokens", "nll_base", "nll_int8", "nll_delta"],
+            "properties": {
+                "prompts": {"type": "integer"}, "tokens_per_prompt": {"type": "integer"},
+                "greedy_agreement": {"type": "number", "minimum": 0, "maximum": 1,
+                                     "description": "teacher-forced top-1 agreement on the base's greedy tokens"},
+                "free_running_prefix_fraction": {"type": "number", "minimum": 0, "maximum": 1,
+                                                 "description": "mean share of each continuation before the "
+                                                                "first differing token"},
+                "identical_continuations": {"type": "integer", "minimum": 0},
+                "text_tokens": {"type": "integer"},
+                "nll_base": _num(), "nll_int8": _num(),
+                "nll_delta": {"type": "number", "description": "mean NLL per token (nats), int8 − base"},
+            },
+        },
+        "profile": {"type": "array", "items": _PROFILE},
+    },
+}
+
+ENGINE_SCHEMA: dict[str, Any] = _doc("engine", {
+    "type": "object",
+    "required": ["limits", "runs", "targets", "load_avg_1m"],
+    "properties": {
+        "limits": {"type": "object", "required": ["matmul_fp32_gflops", "matmul_bf16_gflops", "read_gbs",
+                                                  "matvec_fp32_gbs", "matvec_bf16_gbs", "matvec_best_gbs"],
+                   "additionalProperties": _num(), "description": "loadtests.machine, measured in this run"},
+        "runs": {"type": "array", "minItems": 1, "items": _ENGINE_RUN},
+        "int8": _INT8,
+        "targets": {"type": "array", "items": {**_TARGET, "required": [*_TARGET["required"], "direction"],
+                                               "properties": {**_TARGET["properties"],
+                                                              "direction": {"enum": ["<=", ">="]}}}},
+        "load_avg_1m": {"type": "array", "items": _num(),
+                        "description": "1-minute load average before and after each section: other work on the host"},
+    },
+})
