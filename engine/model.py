@@ -20,7 +20,7 @@ reads it; logits come back in fp32; the model holds no per-request state (decode
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,9 @@ class DecodeBatch:
     slots: torch.Tensor  # [B] slot of the new token
     block_table: torch.Tensor  # [B, n_blocks] padded with a valid block id (masked out)
     bias: torch.Tensor  # [B, 1, n_blocks * block_size] fp32: 0 where a position is visible, -inf after
+    # Consecutive row ranges of similar context length, each padded only to its own longest: one
+    # long sequence no longer makes every short one attend over its length. Empty: one group.
+    groups: list[PagedDecodeMeta] = field(default_factory=list)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -222,16 +225,31 @@ class LlamaModel:
         if not self.fast:
             return self._decode_reference(batch, cache)
         b, n_blocks = batch.block_table.shape
-        meta = PagedDecodeMeta(block_ids=batch.block_table.reshape(-1), bias=batch.bias, batch=b, n_blocks=n_blocks)
+        groups = batch.groups or [
+            PagedDecodeMeta(block_ids=batch.block_table.reshape(-1), bias=batch.bias, batch=b, n_blocks=n_blocks)
+        ]
         h = self.embed[batch.token_ids]  # [B, hidden]
         rope = self._rope_tables(batch.positions)
         for li, lk in enumerate(self.layers):
             q, k, v = self._qkv(lk, self._norm(h, lk.input_norm), batch.positions, rope)
             write_kv(cache.k[li], cache.v[li], batch.slots, k, v)
-            attn = paged_decode_attention(q, cache.k[li], cache.v[li], meta, self.ws, self.scale)  # [B, H * D]
+            attn = self._grouped_attention(q, cache.k[li], cache.v[li], groups)  # [B, H * D]
             h = lk.o_proj(attn, residual=h)
             h = self._mlp(lk, h)
         return self._logits(h)
+
+    def _grouped_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[PagedDecodeMeta]
+    ) -> torch.Tensor:
+        """q: [B, H, D] with the groups' rows consecutive → [B, H * D]."""
+        if len(groups) == 1:
+            return paged_decode_attention(q, k_cache, v_cache, groups[0], self.ws, self.scale)
+        outs, start = [], 0
+        for meta in groups:
+            outs.append(paged_decode_attention(q[start : start + meta.batch], k_cache, v_cache, meta, self.ws,
+                                               self.scale))
+            start += meta.batch
+        return torch.cat(outs)
 
     def _decode_reference(self, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
         cfg = self.cfg

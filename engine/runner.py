@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import PagedDecodeMeta
 from engine.kv_cache import KVCache
 from engine.model import DecodeBatch, LlamaModel, PrefillBatch
 
@@ -106,12 +107,19 @@ class ModelRunner:
         return self.model.prefill(batch, self.cache)
 
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
-        """One decode step for every sequence. Returns fp32 logits ``[len(seqs), vocab]``."""
+        """One decode step for every sequence. Returns fp32 logits ``[len(seqs), vocab]``.
+
+        Rows run sorted by context length, in groups each padded only to its own longest context
+        (`group_by_length`), then the logits are put back in the caller's order.
+        """
         if not seqs:
             raise ValueError("decode of an empty batch")
         bs = self.block_size
         needs = [self._check_table(s.block_table, s.position) for s in seqs]
-        n_blocks = max(needs)
+        order = sorted(range(len(seqs)), key=lambda i: needs[i])
+        seqs = [seqs[i] for i in order]
+        needs = [needs[i] for i in order]
+        n_blocks = needs[-1]
         # Padding blocks (block 0, always a valid id) lie beyond every position and are masked out.
         rows = [[*s.block_table[:need], *([0] * (n_blocks - need))] for s, need in zip(seqs, needs, strict=True)]
         pos_list = [s.position for s in seqs]
@@ -120,11 +128,44 @@ class ModelRunner:
         cols = torch.arange(n_blocks * bs, device=self.device)  # [L]
         bias = torch.zeros((len(seqs), 1, n_blocks * bs), dtype=torch.float32, device=self.device)
         bias.masked_fill_((cols.unsqueeze(0) > positions.unsqueeze(1)).unsqueeze(1), float("-inf"))
+        table = torch.tensor(rows, dtype=torch.long, device=self.device)  # [B, n_blocks]
+        groups = []
+        for lo, hi in group_by_length(needs):
+            nb = needs[hi - 1]
+            groups.append(
+                PagedDecodeMeta(
+                    block_ids=table[lo:hi, :nb].reshape(-1), bias=bias[lo:hi, :, : nb * bs].contiguous(),
+                    batch=hi - lo, n_blocks=nb,
+                )
+            )
         batch = DecodeBatch(
             token_ids=torch.tensor([s.token_id for s in seqs], dtype=torch.long, device=self.device),
             positions=positions,
             slots=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_table=torch.tensor(rows, dtype=torch.long, device=self.device),  # [B, n_blocks]
+            block_table=table,
             bias=bias,  # [B, 1, L]
+            groups=groups,
         )
-        return self.model.decode(batch, self.cache)
+        logits = self.model.decode(batch, self.cache)  # [B, vocab], sorted rows
+        inverse = torch.empty(len(order), dtype=torch.long, device=logits.device)
+        inverse[torch.tensor(order, dtype=torch.long, device=logits.device)] = torch.arange(
+            len(order), device=logits.device
+        )
+        return logits[inverse]
+
+
+def group_by_length(needs: Sequence[int], max_groups: int = 4, slack: float = 2.0) -> list[tuple[int, int]]:
+    """Split ascending block counts into consecutive ranges ``[lo, hi)``.
+
+    A new range starts where a row needs more than ``slack`` × the blocks of its range's first row
+    (the padding it would cost the short rows beats the cost of one more attention call), at most
+    ``max_groups`` ranges.
+    """
+    ranges: list[tuple[int, int]] = []
+    lo = 0
+    for i in range(1, len(needs)):
+        if needs[i] > slack * needs[lo] and len(ranges) < max_groups - 1:
+            ranges.append((lo, i))
+            lo = i
+    ranges.append((lo, len(needs)))
+    return ranges

@@ -174,3 +174,12 @@ def test_bad_input_errors(tmp_path: Path) -> None:
     (bad / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
         Engine.from_dir(bad, EngineConfig())
+
+
+def test_group_by_length() -> None:
+    from engine.runner import group_by_length
+
+    assert group_by_length([4]) == [(0, 1)]
+    assert group_by_length([2, 2, 3, 4]) == [(0, 4)]
+    assert group_by_length([1, 2, 3, 8]) == [(0, 2), (2, 3), (3, 4)]
+    assert group_by_length([1, 3, 7, 15, 31, 63], max_groups=3) == [(0, 1), (1, 2), (2, 6)]
