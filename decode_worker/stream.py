@@ -63,7 +63,7 @@ class Stream:
             )
         )
 
-    def close(self, finish_reason: str, error: str | None = None) -> None:
+    def close(self, finish_reason: str, error: str | None = None, error_code: str | None = None) -> None:
         """End the stream with no further token (abort or error)."""
         if self.closed:
             return
@@ -74,6 +74,7 @@ class Stream:
                 token_ids=(),
                 finish_reason=finish_reason,
                 error=error,
+                error_code=error_code,
                 timings=self.timings(),
             )
         )

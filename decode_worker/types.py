@@ -1,8 +1,8 @@
 """What crosses the decode pool's boundary: a request with its KV handle in, a token stream out.
 
 Invariants: a stream is a sequence of `TokenEvent`s of which exactly the last has a
-``finish_reason``; ``finish_reason == "error"`` carries ``error`` text and the request's blocks are
-already freed when it is sent.
+``finish_reason``; ``finish_reason == "error"`` carries ``error`` text (and, where the caller can act on it, an
+``error_code``) and the request's blocks are already freed when it is sent.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ class DecodeTimings:
     decode_s: float = 0.0
 
 
+#: ``TokenEvent.error_code`` of a stream that failed because its prompt KV could not be pulled
+#: (source gone, lease expired, transfer failed): nothing was decoded, and the caller may prefill
+#: the prompt again and resubmit with a fresh handle.
+KV_LOST = "kv_lost"
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """One or more new tokens of one request (usually one per decode step)."""
@@ -50,4 +56,5 @@ class TokenEvent:
     logprobs: tuple[float, ...] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    error_code: str | None = None  # with "error": what failed, for callers that can recover (KV_LOST)
     timings: DecodeTimings | None = None  # on the last event

@@ -35,7 +35,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import KVImporter
 from decode_worker.scheduler import DecodeScheduler, SchedulerConfig, SchedulerOutput, SeqStatus
 from decode_worker.stream import Stream
-from decode_worker.types import DecodeRequest, TokenEvent
+from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.generate import is_stop
@@ -184,9 +184,9 @@ class DecodeWorker:
         except Exception as e:  # the lease frees the blocks anyway
             log.warning("release of %s failed: %s", stream.request_id, e)
 
-    def _end(self, stream: Stream, reason: str, error: str | None = None) -> None:
+    def _end(self, stream: Stream, reason: str, error: str | None = None, code: str | None = None) -> None:
         """Finish a stream without a new token; frees its blocks and forgets it."""
-        stream.close(reason, error)
+        stream.close(reason, error, code)
         self._forget(stream)
 
     def _forget(self, stream: Stream) -> None:
@@ -277,7 +277,7 @@ class DecodeWorker:
         except Exception as e:
             log.warning("KV pull for %s failed: %s", st.request_id, e)
             self.scheduler.on_transfer_failed(st.request_id)
-            self._end(st, "error", f"KV transfer failed: {e}")
+            self._end(st, "error", f"KV transfer failed: {e}", KV_LOST)
             return
         finally:
             st.pull_task = None

@@ -7,7 +7,10 @@ the ``max_tokens`` bound, and records the request's metrics.
 
 Life cycle: [disaggregated] ``prefill`` → Delta(token 0) → ``generate(first_token_id, handle)`` →
 Delta per event; [colocated] ``generate(None, None)`` → Delta per event (the first is token 0).
-A request finished by token 0 (EOS, ``max_tokens == 1``) never reaches the decode pool.
+A request finished by token 0 (EOS, ``max_tokens == 1``) never reaches the decode pool. If the
+decode pool cannot pull the prompt's KV (``error_code == KV_LOST``: the prefill replica died after
+answering, or the lease ran out in a queue) before any decode token, the prompt is prefilled once
+more and the decode call resubmitted, keeping the token 0 already sent.
 
 Admission (`router.admission`) comes first: a replica at its bound of requests in flight refuses
 with 429 before the prefill, so nothing it admits is later dropped for load.
@@ -20,11 +23,13 @@ included, EOS included), as OpenAI and vLLM count; EOS text is never emitted; st
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
-from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
+from decode_worker.types import KV_LOST, DecodeRequest, DecodeTimings, TokenEvent
 from engine.sampling import SamplingParams
 from prefill_worker.types import PrefillRequest
 from router.admission import Admission
@@ -33,6 +38,7 @@ from router.codec import Detokenizer, TextCodec
 from router.metrics import RouterMetrics
 from router.stops import StopMatcher
 
+logger = logging.getLogger("pdserve.router")
 
 class StreamError(Exception):
     """The decode pool ended the stream with an error (or stopped answering)."""
@@ -98,16 +104,26 @@ class Generation:
             req = DecodeRequest(request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
                                 sampling=inp.sampling, first_token_id=first, handle=handle,
                                 arrival_time=inp.arrival_time)
-            async with self._backends.generate(req) as events:
-                async for ev in events:
-                    if ev.finish_reason == "error":
-                        raise StreamError(ev.error or "the decode pool failed this request")
-                    self._record_timings(ev.timings)
-                    delta = self._advance(st, inp, detok, stops, eos, ev.token_ids,
-                                          _logprobs(ev), ev.finish_reason)
-                    yield self._sent(st, delta)
-                    if st.finish_reason is not None:
-                        return
+            rebuilds = 1 if handle is not None else 0  # times the prompt's KV may be prefilled again
+            while True:
+                lost: str | None = None
+                async with self._backends.generate(req) as events:
+                    async for ev in events:
+                        if ev.finish_reason == "error":
+                            if ev.error_code == KV_LOST and rebuilds and st.num_tokens == 1:
+                                lost = ev.error or "KV lost"
+                                break
+                            raise StreamError(ev.error or "the decode pool failed this request")
+                        self._record_timings(ev.timings)
+                        delta = self._advance(st, inp, detok, stops, eos, ev.token_ids,
+                                              _logprobs(ev), ev.finish_reason)
+                        yield self._sent(st, delta)
+                        if st.finish_reason is not None:
+                            return
+                if lost is None:
+                    break
+                rebuilds -= 1
+                req = await self._prefill_again(inp, req, lost)
             if st.finish_reason is None:
                 raise StreamError("the decode stream ended without a finish reason")
         except TokenTimeoutError as e:
@@ -115,6 +131,19 @@ class Generation:
         finally:
             self._admission.leave()
             self._finish(st, inp)
+
+    async def _prefill_again(self, inp: GenerationInput, req: DecodeRequest, why: str) -> DecodeRequest:
+        """The decode pool could not pull the prompt's KV (its prefill replica died after answering,
+        or the lease ran out while the request queued): prefill it again, on whichever replica
+        Serve picks, and resubmit with the new handle. The client already has token 0, so the
+        request keeps that token whatever the new prefill samples; only its KV is used."""
+        logger.warning("KV of %s was lost before decode (%s); prefilling again", inp.request_id, why)
+        result = await self._backends.prefill(PrefillRequest(
+            request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
+            sampling=inp.sampling, arrival_time=inp.arrival_time))
+        if result.handle is None:
+            raise StreamError(f"the prompt's KV was lost ({why}) and could not be rebuilt")
+        return dataclasses.replace(req, handle=result.handle)
 
     def _advance(
         self,
