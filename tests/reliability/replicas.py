@@ -3,8 +3,9 @@
 `journaled_prefill(log_dir, delay_s)` / `journaled_decode(log_dir, delay_s)` return subclasses of
 the real `PrefillServer` / `DecodeServer`: each replica appends every request id it receives to
 ``<log_dir>/<role>-<pid>.log`` (flushed per line, so the file survives a SIGKILL) and may sleep
-``delay_s`` before a prefill or between streamed decode events, so that a kill reliably lands on
-requests in flight. Everything else is the real code path: engine, outbox, KV source, gloo pulls.
+``delay_s`` before a prefill or between streamed decode events (or hold chosen requests before
+decoding them), so that a kill reliably lands on requests in flight. Everything else is the real
+code path: engine, outbox, KV source, gloo pulls.
 
 The classes are built at run time, so cloudpickle ships them by value (the bases by reference).
 """
@@ -46,8 +47,13 @@ def journaled_prefill(log_dir: str, delay_s: float = 0.0) -> type:
     return JournaledPrefill
 
 
-def journaled_decode(log_dir: str, delay_s: float = 0.0) -> type:
-    """A `DecodeServer` that journals request ids and waits ``delay_s`` after each streamed event."""
+def journaled_decode(log_dir: str, delay_s: float = 0.0, hold_seed: int | None = None,
+                     hold_s: float = 0.0) -> type:
+    """A `DecodeServer` that journals request ids and waits ``delay_s`` after each streamed event.
+
+    A request whose sampling seed is ``hold_seed`` waits ``hold_s`` before the worker sees it, as if
+    it queued behind a full batch: its KV stays in the prefill replica's outbox meanwhile.
+    """
 
     class JournaledDecode(DecodeServer):
         def __init__(self, config: Any) -> None:
@@ -56,6 +62,8 @@ def journaled_decode(log_dir: str, delay_s: float = 0.0) -> type:
 
         async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
             self._journal.write(f"{req.request_id}\n")
+            if hold_seed is not None and req.sampling.seed == hold_seed:
+                await asyncio.sleep(hold_s)
             async for ev in super().generate(req):
                 yield ev
                 if delay_s:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
+import psutil
 import pytest
 
 from cluster.app import compose_app
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
 
 APP = "kills"
 TOKEN_TIMEOUT_S = 10.0
+HOLD_SEED, HOLD_S = 4242, 3.0  # requests with this seed wait 3 s at the decode replica before it pulls
 
 
 @dataclass
@@ -50,7 +52,7 @@ def app(serve_base: str, tiny_model: str, tmp_path_factory: pytest.TempPathFacto
                         kv={"timeout_s": 10}, limits={"token_timeout_s": TOKEN_TIMEOUT_S, "prefill_timeout_s": 30})
     cfg = ClusterConfig.from_args(args)
     application = compose_app(cfg, prefill_cls=journaled_prefill(log_dir, 0.3),
-                              decode_cls=journaled_decode(log_dir, 0.02))
+                              decode_cls=journaled_decode(log_dir, 0.02, HOLD_SEED, HOLD_S))
     with deploy(application, APP, serve_base) as url:
         yield Journals(log_dir, url)
 
@@ -188,7 +190,39 @@ def test_decode_replica_killed_under_load(app: Journals) -> None:
     new_ids = {r.request_id for r in after}
     assert not new_ids & on_victim, "a new request reached the dead decode replica"
 
-    deadline = time.monotonic() + 120
-    while running_replicas(APP, "decode") != 2 or len(read_journals(app.dir, "decode")) < 3:
-        assert time.monotonic() < deadline, "the killed decode replica was not replaced"
-        time.sleep(0.5)
+
+def test_prefill_killed_between_token_0_and_the_pull(app: Journals) -> None:
+    """Requests whose token 0 is out but whose KV still waits in the victim's outbox: rebuilt, no error.
+
+    The decode replica holds these requests 3 s before pulling (as a full batch would); the prefill
+    replica that holds their KV is killed meanwhile, so every pull fails. The router prefills each
+    prompt again on a live replica and resubmits, keeping the token 0 the client already has.
+    """
+    live = {pid for pid in read_journals(app.dir, "prefill") if psutil.pid_exists(pid)}
+
+    async def scenario() -> tuple[list[StreamResult], int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            first: set[str] = set()
+            streams = [asyncio.ensure_future(stream_request(
+                client, f"{app.url}/v1/completions",
+                completion_body(f"held request {i} about mountains", 12, seed=HOLD_SEED), timeout_s=90,
+                on_first=first.add)) for i in range(6)]
+            try:
+                await _until(lambda: len(first) == 6, 30, "token 0 of all six requests")
+                journals = read_journals(app.dir, "prefill")
+                victim = max((p for p in live if p in journals), key=lambda p: len(set(journals[p]) & first))
+                assert set(journals[victim]) & first
+                os.kill(victim, signal.SIGKILL)  # within the 3 s hold: their KV dies with it
+                return list(await asyncio.wait_for(asyncio.gather(*streams), 60)), victim
+            finally:
+                for s in streams:
+                    s.cancel()
+
+    results, victim = asyncio.run(scenario())
+    journals = read_journals(app.dir, "prefill")
+    held = {r.request_id for r in results} & set(journals[victim])
+    rebuilt = {rid for pid, ids in journals.items() if pid != victim for rid in ids} & held
+    print(f"prefill kill after token 0: {len(held)} requests had their KV on the victim, {len(rebuilt)} "
+          f"prefilled again elsewhere, {sum(r.ok for r in results)}/{len(results)} completed")
+    assert held and rebuilt == held
+    assert all(r.ok and r.usage_tokens == 12 for r in results), [(r.error, r.usage_tokens) for r in results]
