@@ -262,10 +262,12 @@ def test_prefill_crash_is_retried_once(client: openai.OpenAI) -> None:
 
 def test_metrics_after_traffic(base: str, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt="abc", max_tokens=3)
-    deadline = time.time() + 15
+    # Gauges arrive with each replica's routing stats (about once a second each; a replica restarted
+    # by an earlier test reports under its new id once it is up): wait for all three, bounded.
+    deadline = time.time() + 45
     while True:
         text = httpx.get(f"{base}/pd/metrics", timeout=30).text
-        if 'pdserve:kv_blocks_free{' in text or time.time() > deadline:
+        if text.count('pdserve:kv_blocks_free{') >= 3 or time.time() > deadline:
             break
         time.sleep(0.5)
     samples = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines()
