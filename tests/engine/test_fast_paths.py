@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import attention
 from engine.attention import PagedDecodeMeta, Workspace, decode_attention, paged_decode_attention
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
@@ -70,7 +71,10 @@ def test_fast_fp32_matches_reference(tiny_dir: Path) -> None:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
-def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path) -> None:
+@pytest.mark.parametrize("small_rows", [attention.SMALL_DECODE_ROWS, 0])  # 0: bf16 decode via bmm, not SDPA
+def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path, small_rows: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention, "SMALL_DECODE_ROWS", small_rows)
     exact = scenario(runner(tiny_dir, torch.float32, fast=False))
     ref = scenario(runner(tiny_dir, torch.bfloat16, fast=False))
     fast = scenario(runner(tiny_dir, torch.bfloat16, fast=True))
@@ -80,7 +84,9 @@ def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("kv_heads", "group", "lengths"), [(1, 1, [1]), (2, 3, [1, 9, 16, 40]), (3, 3, [300])])
+# bf16: the first three are small steps (SDPA in fp32), the last one the block-diagonal bmm path.
+@pytest.mark.parametrize(("kv_heads", "group", "lengths"),
+                         [(1, 1, [1]), (2, 3, [1, 9, 16, 40]), (3, 3, [300]), (2, 3, [100, 700, 5])])
 def test_paged_decode_attention_matches_reference(dtype: torch.dtype, kv_heads: int, group: int,
                                                    lengths: list[int]) -> None:
     g = torch.Generator().manual_seed(len(lengths) * 7 + kv_heads)
