@@ -2,7 +2,8 @@
 
 Owns: building one replica from a `DecodeWorkerConfig` — engine, KV puller (disaggregated only),
 `DecodeWorker` — and exposing ``generate`` (a streamed method: one `TokenEvent` per yield),
-``load``, ``ready``, ``stats``. All serving logic is in `decode_worker.worker`.
+``release`` (free an unpulled handle at its source), ``load``, ``ready``, ``stats``. All serving
+logic is in `decode_worker.worker`.
 
 Invariants: ready only once the model is loaded and the step loop runs; a cancelled ``generate``
 (the router closed the stream: client disconnect, stop string) aborts the request in the worker,
@@ -29,6 +30,7 @@ from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.tokenizer import Tokenizer
 from kv_transfer.client import KVPuller, PullerConfig
+from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from prefill_worker.deployment import node_address
 from prefill_worker.types import LoadReport
@@ -66,6 +68,17 @@ class DecodeServer:
         worker = await self._ensure_started()
         async for ev in worker.generate(req):
             yield ev
+
+    async def release(self, handle: KVHandle) -> bool:
+        """Free a handle's blocks at its source without pulling them: its request ended before any
+        decode replica took it (client gone between token 0 and the decode call, decode refused).
+        Any replica will do: its puller authenticates to the source like for a pull. False in
+        colocated mode (there are no handles)."""
+        importer = self.worker.importer
+        if importer is None:
+            return False
+        await importer.release(handle)
+        return True
 
     async def load(self) -> LoadReport:
         worker = await self._ensure_started()

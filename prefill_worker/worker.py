@@ -124,6 +124,10 @@ class PrefillWorker:
             return await asyncio.shield(job.future)
         except asyncio.CancelledError:
             job.future.cancel()  # the step loop frees the job's blocks when it sees this
+            if job.future.done() and not job.future.cancelled() and job.future.exception() is None:
+                handle = job.future.result().handle  # finished just before the caller gave up:
+                if handle is not None:  # nobody will ever see this handle, so nobody will pull it
+                    self.outbox.release(handle.transfer_id)
             raise
 
     def load_report(self) -> LoadReport:

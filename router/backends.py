@@ -12,14 +12,19 @@ Invariants:
 - a call that outlives its timeout is cancelled, then answered with a 503 (prefill) or an error
   event (decode, per token);
 - leaving a `generate` context early — stop string, client disconnect, error — cancels the
-  decode stream, so the decode replica frees the request's blocks.
+  decode stream, so the decode replica frees the request's blocks;
+- a handle no decode replica took (the request ended between token 0 and the decode call) is
+  released through any decode replica (`release`, in the background), not left to its lease.
+  Not covered: a prefill that finished just as its caller was cancelled (Serve drops the
+  answer); its lease frees it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -27,6 +32,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from decode_worker.types import DecodeRequest, TokenEvent
+from kv_transfer.handle import KVHandle
 from prefill_worker.types import PrefillRequest, PrefillResult
 from router.errors import APIError, unavailable
 
@@ -34,6 +40,10 @@ logger = logging.getLogger("pdserve.router")
 
 #: failures that mean "the replica went away", not "the replica refused"
 REPLICA_GONE: tuple[type[BaseException], ...] = (RayActorError, DeploymentUnavailableError)
+
+
+#: a background release of an unpulled handle gives up after this (the lease frees it anyway)
+RELEASE_TIMEOUT_S = 10.0
 
 
 class TokenTimeoutError(Exception):
@@ -56,6 +66,7 @@ class Backends:
         self._prefill_timeout_s = prefill_timeout_s
         self._token_timeout_s = token_timeout_s
         self._ready_timeout_s = ready_timeout_s
+        self._background: set[asyncio.Task[None]] = set()
 
     @property
     def disaggregated(self) -> bool:
@@ -109,6 +120,31 @@ class Backends:
         finally:
             if not finished:
                 stream.cancel()
+
+    def release(self, handle: KVHandle) -> None:
+        """In the background, ask a decode replica to free ``handle`` at its source (best effort:
+        the handle's lease frees it anyway). For a request that ended before the decode pool took it."""
+
+        async def run() -> None:
+            try:
+                await asyncio.wait_for(self._decode.release.remote(handle), RELEASE_TIMEOUT_S)
+            except Exception as e:
+                logger.info("release of %s failed (its lease will free it): %r", handle.transfer_id, e)
+
+        self._spawn(run())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background, outside the request's context: Serve cancels every call
+        a request made once the request is cancelled (client gone), which is exactly when a
+        release must still go out."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no running loop (a generator finalized at shutdown): the lease frees it
+            work.close()
+            return
+        task = contextvars.Context().run(loop.create_task, work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def ready(self) -> bool:
         """Both pools answer ``ready()`` with True within the ready timeout."""

@@ -10,7 +10,9 @@ Delta per event; [colocated] ``generate(None, None)`` → Delta per event (the f
 A request finished by token 0 (EOS, ``max_tokens == 1``) never reaches the decode pool. If the
 decode pool cannot pull the prompt's KV (``error_code == KV_LOST``: the prefill replica died after
 answering, or the lease ran out in a queue) before any decode token, the prompt is prefilled once
-more and the decode call resubmitted, keeping the token 0 already sent.
+more and the decode call resubmitted, keeping the token 0 already sent. A request that ends before
+any decode replica answered for its handle (client gone after token 0, decode refused) has the
+handle released (`Backends.release`) rather than left to its lease.
 
 Admission (`router.admission`) comes first: a replica at its bound of requests in flight refuses
 with 429 before the prefill, so nothing it admits is later dropped for load.
@@ -86,6 +88,7 @@ class Generation:
         detok = self._codec.detokenizer()
         stops = StopMatcher(inp.stop_strings)
         self._admission.enter()  # 429 now, before any token, if this replica is at its bound
+        unclaimed = None  # a handle no decode replica has answered for yet: released if we end here
         try:
             first: int | None = None
             handle = None
@@ -101,6 +104,7 @@ class Generation:
                 if st.finish_reason is not None:
                     return
                 first, handle = result.token_id, result.handle
+                unclaimed = handle
             req = DecodeRequest(request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
                                 sampling=inp.sampling, first_token_id=first, handle=handle,
                                 arrival_time=inp.arrival_time)
@@ -109,6 +113,7 @@ class Generation:
                 lost: str | None = None
                 async with self._backends.generate(req) as events:
                     async for ev in events:
+                        unclaimed = None  # the decode replica has it: it pulls, releases or requeues
                         if ev.finish_reason == "error":
                             if ev.error_code == KV_LOST and rebuilds and st.num_tokens == 1:
                                 lost = ev.error or "KV lost"
@@ -123,12 +128,17 @@ class Generation:
                 if lost is None:
                     break
                 rebuilds -= 1
+                if req.handle is not None:
+                    self._backends.release(req.handle)  # if its source still holds it (e.g. requeued)
                 req = await self._prefill_again(inp, req, lost)
+                unclaimed = req.handle
             if st.finish_reason is None:
                 raise StreamError("the decode stream ended without a finish reason")
         except TokenTimeoutError as e:
             raise StreamError(str(e)) from None
         finally:
+            if unclaimed is not None:  # client gone, decode refused or unreachable: free it now
+                self._backends.release(unclaimed)
             self._admission.leave()
             self._finish(st, inp)
 
