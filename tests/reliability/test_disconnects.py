@@ -7,8 +7,11 @@ with exactly their token count. Then the router's ``/metrics`` must show, for ev
 block in use, nothing pending in a prefill outbox and no request running or waiting; the replicas'
 own books (``stats()``, which runs the block pool's integrity check) must agree.
 
-The lease is short (4 s) because a client that hangs up between token 0 and the decode call leaves
-a handle nobody pulls: by design (DESIGN.md, step 7) its blocks come back when the lease ends.
+A client that hangs up between token 0 and the decode call leaves a handle no decode replica took:
+the router releases it through a decode replica, so its blocks do not wait for the lease. One
+window is left to the lease (short here, 4 s, so the test sees it end): a client that hangs up
+just as its prefill finishes, when Serve drops the answer that carried the handle; so leases may
+expire only for requests dropped before token 0, never for those dropped mid-stream.
 """
 
 from __future__ import annotations
@@ -115,8 +118,35 @@ def test_disconnects_leave_nothing_behind(url: str) -> None:
     assert (prefill["kv_blocks_used"], prefill["outbox_pending"], prefill["outbox_blocks_held"]) == (0, 0, 0)
     assert (decode["kv_blocks_used"], decode["streams"], decode["idle"]) == (0, 0, True)
     assert outbox["put"] == outbox["done"] + outbox["released"] + outbox["expired"]
+    assert outbox["expired"] <= n_early, "a handle of a request that got its token 0 was left to its lease"
     ttfts = sorted(r.ttft for r in full if r is not None and r.ttft is not None)
     print(f"disconnects: {len(full)} full (TTFT p50 {ttfts[len(ttfts) // 2] * 1000:.0f} ms), {len(mid)} dropped "
           f"mid-stream, {n_early} dropped before token 0 (a raw socket closed 0-100 ms after sending), all in "
           f"{load_s:.1f} s; idle books whole {idle_s:.1f} s later; outbox put={outbox['put']} "
           f"pulled={outbox['done']} released={outbox['released']} lease-expired={outbox['expired']}")
+
+
+def test_hanging_up_right_after_token_0_leaves_no_lease(url: str) -> None:
+    """80 clients each read token 0 and hang up: the decode call is cancelled, often before any decode
+    replica took the request, and every handle is pulled or released, none left to its lease."""
+    prefill = serve.get_deployment_handle("prefill", app_name=APP)
+    before = prefill.stats.remote().result(timeout_s=30)["source"]["outbox"]
+
+    async def run() -> list[StreamResult]:
+        sem = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(i: int) -> StreamResult:
+                async with sem:
+                    return await stream_request(client, f"{url}/v1/completions",
+                                                completion_body(f"hang up {i} after the first word", 16),
+                                                drop_after=1)
+            return list(await asyncio.gather(*(one(i) for i in range(80))))
+
+    results = asyncio.run(run())
+    assert all(r.status == 200 and r.dropped for r in results)
+    time.sleep(LEASE_S + 2)  # long enough for any forgotten handle's lease to run out
+    after = prefill.stats.remote().result(timeout_s=30)
+    delta = {k: after["source"]["outbox"][k] - before[k] for k in ("put", "done", "released", "expired")}
+    print(f"hang up after token 0: {delta}")
+    assert delta["expired"] == 0 and delta["put"] == delta["done"] + delta["released"] == 80, delta
+    assert after["outbox_pending"] == 0
