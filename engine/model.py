@@ -140,11 +140,14 @@ class LlamaModel:
         self.lm_head = lin(weights.lm_head, norm=weights.norm, quantize=quantize_lm_head)
 
     def weight_nbytes(self) -> int:
-        """Bytes one forward streams for the weights (matrices, norms; not the embedding lookup)."""
-        total = self.lm_head.nbytes + self.norm.numel() * self.norm.element_size()
+        """Bytes one forward streams for the weights: the linear layers' (norm gains too on the
+        reference path; the fast path folds them into the linears). Not the embedding lookup."""
+        total = self.lm_head.nbytes
+        norms = [self.norm] + [n for lk in self.layers for n in (lk.input_norm, lk.post_norm)]
+        if not self.fast:
+            total += sum(n.numel() * n.element_size() for n in norms)
         for lk in self.layers:
             total += sum(k.nbytes for k in (lk.qkv, lk.o_proj, lk.gate_up, lk.down))
-            total += 2 * lk.input_norm.numel() * lk.input_norm.element_size()
         return total
 
     # -- pieces shared by both forwards ----------------------------------------------------------

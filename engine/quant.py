@@ -4,15 +4,16 @@ Owns: how one linear layer's weight ``W: [out, in]`` is stored for the fastest k
 device, ``y = x @ W.T (+ bias) (+ residual)`` computed from that storage, and symmetric
 per-output-channel int8 quantization (``quantize_int8`` / ``dequantize_int8``).
 
-Why three formats (measured on a 2-core AVX-512 EPYC, torch 2.13, matrix-vector products that
-stream the weights from DRAM):
-- ``F.linear`` reaches ~11 GB/s at one row of ``x`` (fp32 and bf16); bf16 re-packs the weight
-  into oneDNN's VNNI layout on every call, so it is no faster than fp32 per element.
-- oneDNN with the weight prepacked once (``mkldnn._reorder_linear_weight``) reaches ~20 GB/s in
-  both dtypes and is as fast as ``F.linear`` or faster at 32 and 512 rows.
-- ``aten._weight_int8pack_mm`` (int8 weight, bf16 activations) reads half the bytes of bf16 and
-  reaches ~20-30 GB/s at one row, but is 2-3x slower than bf16 from ~8 rows on, so `Int8Linear`
-  switches to dequantize-then-matmul above `Int8Linear.int8_mm_max_rows`.
+Why three formats (measured on a 2-core AVX-512 EPYC, torch 2.13, one row of ``x``, weights
+streamed from DRAM; the host is shared, so these are best-of-several):
+- ``F.linear`` reaches ~11 GB/s in fp32; in bf16 oneDNN re-packs the weight into its VNNI layout on
+  every call, so bf16 is barely faster per element than fp32.
+- oneDNN with the weight prepacked once (``mkldnn._reorder_linear_weight``) reaches ~16-22 GB/s in
+  both dtypes, and is as fast as ``F.linear`` or faster at 32 and 512 rows.
+- ``aten._weight_int8pack_mm`` (int8 weight, bf16 activations) reads half the bytes of bf16 but
+  runs at ~12 GB/s over SmolLM2's shapes (20-30 GB/s only on large matrices; it is not bandwidth
+  bound there), so the int8 matmuls of a step take ~0.7x of the bf16 ones, not 0.5x. Above
+  `Int8Linear.int8_mm_max_rows` rows it dequantizes and runs a dense bf16 matmul instead (prefill).
 
 Invariants: every kernel computes ``F.linear(x, W, bias) (+ residual)`` up to float
 reassociation (dense) or up to the int8 rounding of ``W`` (``|W - dequantize(q, s)| <= s / 2``
@@ -106,12 +107,12 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 class Int8Linear(Linear):
     """Weight-only int8: int8 weight + per-channel scales; activations are computed in bf16.
 
-    Few rows (decode): ``aten._weight_int8pack_mm`` reads the int8 weight directly. Many rows
-    (prefill, large decode batches): dequantize to bf16 and run a dense matmul, where compute,
-    not the weight read, is the cost. fp32 activations are cast to bf16 and the result back.
+    Up to ``int8_mm_max_rows`` rows (decode): ``aten._weight_int8pack_mm`` reads the int8 weight
+    directly. More rows (prefill): dequantize to bf16 and run a dense matmul, where compute, not the
+    weight read, is the cost. fp32 activations are cast to bf16 and the result back.
     """
 
-    int8_mm_max_rows = 4
+    int8_mm_max_rows = 16  # measured: the int8 kernel beats dequantize + bf16 matmul up to ~32 rows
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight, bias)
@@ -128,7 +129,7 @@ class Int8Linear(Linear):
 
     def dequantized(self) -> torch.Tensor:
         """The weight this kernel multiplies by: ``[out, in]`` bf16."""
-        return self.qweight.to(torch.bfloat16) * self.scale[:, None]
+        return torch.mul(self.qweight, self.scale[:, None])  # int8 * bf16 promotes to bf16: one pass
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         xb = x.to(torch.bfloat16)

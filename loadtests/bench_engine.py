@@ -27,6 +27,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from engine.weights import load_weights
@@ -41,7 +42,7 @@ class Sizes:
     gen_tokens: int  # greedy continuation length for the int8 agreement check
 
 
-FULL = Sizes(prefill=(128, 512, 2048), batches=(1, 8, 32), contexts=(256, 1024), gen_tokens=32)
+FULL = Sizes(prefill=(128, 512, 2048), batches=(1, 8, 32), contexts=(256, 1024), gen_tokens=64)
 QUICK = Sizes(prefill=(16, 64), batches=(1, 4), contexts=(16, 48), gen_tokens=8)
 
 PROMPTS = [
@@ -203,6 +204,8 @@ def _greedy(eng: Engine, runner: ModelRunner, prompt: list[int], n: int) -> list
 
 
 def _all_logits(eng: Engine, runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    if runner.cache is not eng.cache:  # a runner with its own small cache: blocks 0.. are free
+        return runner.prefill([PrefillChunk(ids, 0, list(range(eng.blocks_for(len(ids)))))], all_logits=True)
     blocks = eng.pool.allocate(eng.blocks_for(len(ids)))
     try:
         return runner.prefill([PrefillChunk(ids, 0, blocks)], all_logits=True)  # [S, V]
@@ -210,9 +213,13 @@ def _all_logits(eng: Engine, runner: ModelRunner, ids: list[int]) -> torch.Tenso
         eng.pool.free(blocks)
 
 
-def int8_accuracy(eng: Engine, base: ModelRunner, q8: ModelRunner, sizes: Sizes) -> dict[str, Any]:
-    """Greedy agreement over the fixed prompts and the log-likelihood of a fixed text."""
-    agree = total = identical = 0
+def int8_accuracy(eng: Engine, base: ModelRunner, q8: ModelRunner, sizes: Sizes,
+                  fp32: ModelRunner | None = None) -> dict[str, Any]:
+    """Greedy agreement over the fixed prompts and the log-likelihood of a fixed text.
+
+    ``fp32``, if given, is scored on the same greedy tokens: what plain bf16 rounding alone costs.
+    """
+    agree = total = identical = agree32 = 0
     prefix_frac = []
     for prompt in _prompt_ids(eng, 24):
         ref = _greedy(eng, base, prompt, sizes.gen_tokens)
@@ -220,6 +227,9 @@ def int8_accuracy(eng: Engine, base: ModelRunner, q8: ModelRunner, sizes: Sizes)
         logits = _all_logits(eng, q8, prompt + ref[:-1])[len(prompt) - 1 :]
         agree += int((logits.argmax(-1) == torch.tensor(ref)).sum())
         total += len(ref)
+        if fp32 is not None:
+            logits = _all_logits(eng, fp32, prompt + ref[:-1])[len(prompt) - 1 :]
+            agree32 += int((logits.argmax(-1) == torch.tensor(ref)).sum())
         mine = _greedy(eng, q8, prompt, sizes.gen_tokens)  # free-running
         same = next((i for i, (a, b) in enumerate(zip(ref, mine, strict=True)) if a != b), len(ref))
         prefix_frac.append(same / len(ref))
@@ -232,6 +242,7 @@ def int8_accuracy(eng: Engine, base: ModelRunner, q8: ModelRunner, sizes: Sizes)
     return {
         "prompts": len(PROMPTS), "tokens_per_prompt": sizes.gen_tokens,
         "greedy_agreement": agree / total,
+        "fp32_greedy_agreement": agree32 / total if fp32 is not None else None,
         "free_running_prefix_fraction": statistics.mean(prefix_frac),
         "identical_continuations": identical,
         "text_tokens": len(ids), "nll_base": nll["base"], "nll_int8": nll["int8"],
@@ -302,7 +313,13 @@ def run_int8(eng: Engine, base_run: dict[str, Any], sizes: Sizes, repeats: int, 
                               "base_step_ms": t["base"] * 1e3, "tokens_per_s": batch / t["int8"],
                               "vs_base": t["int8"] / t["base"]})
     out["prefill"] = [{"tokens": n, "seconds": bench_prefill(eng, q8, n, repeats)} for n in sizes.prefill[-1:]]
-    out["accuracy"] = int8_accuracy(eng, eng.runner, q8, sizes)
+    fp32 = None
+    if dtype != torch.float32:
+        cfg32 = load_weights(eng.model_dir, cfg, torch.float32)
+        need = max(len(p) for p in _prompt_ids(eng, 24)) + sizes.gen_tokens + len(_text_ids(eng))
+        fp32 = ModelRunner(LlamaModel(cfg, cfg32, eng.max_model_len),
+                           KVCache.allocate(cfg, eng.blocks_for(need), eng.block_size, torch.float32))
+    out["accuracy"] = int8_accuracy(eng, eng.runner, q8, sizes, fp32)
     if with_profile:
         out["profile"] = [profile_decode(eng, q8, 1, sizes.contexts[0])]
     return out

@@ -247,6 +247,8 @@ _INT8: dict[str, Any] = {
                 "prompts": {"type": "integer"}, "tokens_per_prompt": {"type": "integer"},
                 "greedy_agreement": {"type": "number", "minimum": 0, "maximum": 1,
                                      "description": "teacher-forced top-1 agreement on the base's greedy tokens"},
+                "fp32_greedy_agreement": {"type": ["number", "null"], "minimum": 0, "maximum": 1,
+                                          "description": "the same for the fp32 model: plain rounding's share"},
                 "free_running_prefix_fraction": {"type": "number", "minimum": 0, "maximum": 1,
                                                  "description": "mean share of each continuation before the "
                                                                 "first differing token"},

@@ -33,7 +33,7 @@ def test_quantize_error_bound_and_range() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64])  # both sides of Int8Linear.int8_mm_max_rows
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])  # both sides of Int8Linear.int8_mm_max_rows
 def test_int8_linear_computes_with_the_dequantized_weight(dtype: torch.dtype, rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     w, bias = torch.randn(96, 64, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
@@ -82,7 +82,7 @@ def test_int8_model_greedy_agreement_is_high(tiny: Path) -> None:
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += len(ids)
     assert agree / total >= 0.9, agree / total
-    # the int8 decode path (the int8 matmul kernel, 1-4 rows) agrees with the dense bf16 one
+    # the int8 decode path (the int8 matmul kernel, few rows) agrees with the dense bf16 one
     la = base.decode([DecodeSeq(5, 48, list(range(7)))])
     lb = q8.decode([DecodeSeq(5, 48, list(range(7)))])
     assert la.argmax(-1).item() == lb.argmax(-1).item()
