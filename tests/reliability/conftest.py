@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -46,6 +45,22 @@ def serve_base() -> Iterator[str]:
             ray.shutdown()
 
 
-@pytest.fixture
-def log_dir(tmp_path: Path) -> str:
-    return str(tmp_path)
+@pytest.fixture(scope="package")
+def fakes_url(serve_base: str, tiny_model: str) -> Iterator[str]:
+    """``/fakes``: the real router with the tiny model's real tokenizer over fake pools.
+
+    The pools are `tests.reliability.fakes.HangingPrefill` / `StallingDecode` (the fakes of
+    `tests.router.pd_fakes`, 1 ms per token, plus the magic words HANG and STALL, which a test sends
+    as token ids: the fakes read prompts as code points); 256-token context, 1.5 s prefill and
+    token timeouts. Shared by the HTTP fuzzers and the timeout tests: one deploy instead of two.
+    """
+    from cluster.app import compose_app
+    from cluster.config import ClusterConfig
+    from tests.reliability.fakes import HangingPrefill, StallingDecode
+    from tests.reliability.harness import FAKES_PREFILL_TIMEOUT_S, FAKES_TOKEN_TIMEOUT_S, cluster_args, deploy
+
+    args = cluster_args(tiny_model, limits={"max_model_len": 256, "prefill_timeout_s": FAKES_PREFILL_TIMEOUT_S,
+                                            "token_timeout_s": FAKES_TOKEN_TIMEOUT_S})
+    app = compose_app(ClusterConfig.from_args(args), prefill_cls=HangingPrefill, decode_cls=StallingDecode)
+    with deploy(app, "fakes", serve_base) as url:
+        yield url

@@ -25,6 +25,9 @@ import psutil
 from ray import serve
 
 SECRET = "reliability-secret-0123456789abcdef"
+#: deadlines of the package's ``fakes`` app (conftest.py), which tests/reliability/test_timeouts checks
+FAKES_PREFILL_TIMEOUT_S = 1.5
+FAKES_TOKEN_TIMEOUT_S = 1.5
 
 
 def free_port() -> int:
@@ -87,7 +90,7 @@ def wait_ready(url: str, timeout_s: float, headers: dict[str, str] | None = None
     raise TimeoutError(f"{url}/ready did not answer 200 within {timeout_s:g} s (last: {last})")
 
 
-def completion_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+def completion_body(prompt: str | list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, **extra}
 

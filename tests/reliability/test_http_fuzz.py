@@ -5,8 +5,8 @@ themselves, so FastAPI's own schema has paths but no request bodies. `openapi_sc
 document the fuzzer needs from the same two sources of truth: the app's routes (FastAPI's
 ``get_openapi``) and the pydantic request models the handlers validate with.
 
-The app under test: the real router with the tiny model's real tokenizer and chat template, fake
-pools (`tests.router.pd_fakes`, 1 ms per token) and a 256-token context, on the package's Serve.
+The app under test: the package's ``fakes`` app (see ``conftest.py``): the real router with the
+tiny model's real tokenizer and chat template, fake pools (1 ms per token), a 256-token context.
 Each operation gets schema-valid cases (``POSITIVE``) and schema-violating ones (``NEGATIVE``);
 every response must be < 500, errors must carry ``{"error": {"message", "type", "param", "code"}}``
 (429 with ``Retry-After``), and streams must end in ``data: [DONE]``.
@@ -15,7 +15,6 @@ every response must be < 500, errors must carry ``{"error": {"message", "type", 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -26,16 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from cluster.app import compose_app
-from cluster.config import ClusterConfig
 from router.app import app as router_app
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from tests.reliability.harness import cluster_args, deploy
-from tests.router.pd_fakes import FakeDecode, FakePrefill
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
 
-APP = "httpfuzz"
 BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
                                       "/v1/chat/completions": ChatCompletionRequest}
 EXAMPLES = {"POST": 40, "GET": 8}
@@ -73,11 +67,8 @@ def _deployment_facts(body: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def url(serve_base: str, tiny_model: str) -> Iterator[str]:
-    args = cluster_args(tiny_model, limits={"max_model_len": 256, "token_timeout_s": 10})
-    app = compose_app(ClusterConfig.from_args(args), prefill_cls=FakePrefill, decode_cls=FakeDecode)
-    with deploy(app, APP, serve_base) as u:
-        yield u
+def url(fakes_url: str) -> str:
+    return fakes_url
 
 
 def check_response(status: int, headers: dict[str, str], text: str, streamed: bool) -> None:
