@@ -15,6 +15,7 @@ Pass criteria (exit code 1 otherwise, the JSON is written either way): zero erro
 whose RSS grew by 5% or more over its value at the end of the first minute (the first minute is
 warm-up: caches, allocator pools, the first long prompts). After the load the router's ``/metrics``
 books (KV blocks used, outbox pending, requests running / waiting) are recorded once they settle.
+SIGTERM unwinds like Ctrl-C: the server is stopped on the way out.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from locust import constant_throughput
 # isort: split
 
 import argparse
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -249,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.minutes < 1 or a.users < 1 or a.rate <= 0:
         p.error("--minutes and --users must be at least 1, --rate positive")
+    # SIGTERM (a CI timeout, kill) unwinds like Ctrl-C, so the server is stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     doc = run(a.config, a.minutes, a.users, a.rate, a.max_tokens, a.out, a.seed)
     return 0 if doc["results"]["passed"] else 1
 

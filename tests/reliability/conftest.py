@@ -9,16 +9,39 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.helpers_models import make_tiny_chat_model
+
+if TYPE_CHECKING:
+    from tests.reliability.test_soak import SoakRun
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random Llama folder with SmolLM2's tokenizer (see `tests.helpers_models`)."""
     return str(make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat") / "model"))
+
+
+@pytest.fixture(scope="package", autouse=True)
+def background_soak(request: pytest.FixtureRequest, tiny_model: str,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[SoakRun | None]:
+    """The 1-minute soak of `tests.reliability.test_soak`, started as the package starts so that it
+    overlaps the other tests; None when that test was not collected. Stopped at the end regardless."""
+    here = Path(__file__).parent
+    if not any(item.path == here / "test_soak.py" for item in request.session.items):
+        yield None
+        return
+    from tests.reliability.test_soak import start_soak
+
+    run = start_soak(tiny_model, tmp_path_factory.mktemp("soak"))
+    try:
+        yield run
+    finally:
+        run.stop()
 
 
 @pytest.fixture(scope="package")
