@@ -230,18 +230,17 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
     return sorted((c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN)
 
 
-def replica_pids(app: str, deployment: str, want: int, timeout_s: float = 60.0) -> set[int]:
-    """The pids of ``want`` distinct replicas of a deployment, found by asking ``stats()`` repeatedly."""
-    handle = serve.get_deployment_handle(deployment, app_name=app)
-    pids: set[int] = set()
-    deadline = time.monotonic() + timeout_s
-    while len(pids) < want:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"saw only {len(pids)} of {want} {deployment} replicas: {pids}")
-        responses = [handle.stats.remote() for _ in range(4 * want)]
-        for resp in responses:
-            pids.add(int(resp.result(timeout_s=30)["pid"]))
-    return pids
+def replica_processes(app: str, deployment: str) -> set[int]:
+    """pids of the live ``ray::ServeReplica:<app>:<deployment>`` processes this test process's Ray started."""
+    title = f"ray::ServeReplica:{app}:{deployment}"
+    out: set[int] = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.cmdline()[:1] and p.cmdline()[0].split(".")[0] == title:
+                out.add(p.pid)
+        except psutil.Error:
+            continue
+    return out
 
 
 def running_replicas(app: str, deployment: str) -> int:

@@ -27,6 +27,7 @@ from tests.reliability.harness import (
     cluster_args,
     completion_body,
     deploy,
+    replica_processes,
     running_replicas,
     stream_request,
 )
@@ -95,7 +96,7 @@ async def _until(predicate: object, timeout_s: float, what: str, period_s: float
 def test_prefill_replica_killed_under_load(app: Journals) -> None:
     """Kill a prefill replica with requests waiting for token 0: all are retried, nobody sees an error."""
     pids = set(read_journals(app.dir, "prefill"))
-    assert len(pids) == 2, pids
+    assert len(pids) == 2 and replica_processes(APP, "prefill") == pids, pids  # journals name the live replicas
 
     async def scenario() -> tuple[Load, int, float]:
         load = Load(app.url, clients=6)
@@ -120,6 +121,7 @@ def test_prefill_replica_killed_under_load(app: Journals) -> None:
                 return running_replicas(APP, "prefill") == 2 and any(len(ids) >= 3 for ids in fresh.values())
 
             await _until(rejoined, 120, "the killed prefill replica to be replaced and serve", period_s=0.5)
+            assert victim not in replica_processes(APP, "prefill")
             return load, victim, time.monotonic() - t_kill
         finally:
             load.stop.set()
@@ -152,11 +154,13 @@ def test_decode_replica_killed_under_load(app: Journals) -> None:
                 client, f"{app.url}/v1/completions", completion_body(f"long stream {i} about rivers", max_tokens),
                 timeout_s=90, on_first=first.add)) for i in range(8)]
             try:
-                def both_streaming() -> bool:
+                def all_placed() -> bool:  # every stream has reached its decode replica, each has ≥ 2
                     journals = read_journals(app.dir, "decode")
-                    return all(len(set(journals[p]) & first) >= 2 for p in pids)
+                    placed = {rid for p in pids for rid in journals.get(p, ())}
+                    return (len(first) == 8 and first <= placed
+                            and all(len(set(journals[p]) & first) >= 2 for p in pids))
 
-                await _until(both_streaming, 60, "both decode replicas streaming ≥ 2 requests")
+                await _until(all_placed, 60, "all 8 streams on a decode replica, ≥ 2 on each")
                 victim = min(pids)
                 os.kill(victim, signal.SIGKILL)
                 t_kill = time.monotonic()
