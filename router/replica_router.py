@@ -8,20 +8,29 @@ method Serve polls (it returns the replica's own ``load()`` report).
 How a request reaches a replica: Serve calls `choose_replicas` with the candidates its queue-length
 cache deems available and the pending request (whose first argument is our `PrefillRequest` or
 `DecodeRequest`). We build one `LoadReport` per candidate from its latest routing stats, correct it
-with the tokens this process has sent there and not yet seen complete (stats are up to one stats
-period old), ask the pure policy in `router.policy`, and return ranks: the choice alone, then the
-rest by load. Serve then sends to the first rank that accepts (max_ongoing_requests), backing off
+with the tokens this process has chosen or sent there and not yet seen complete (stats are up to one
+stats period old), ask the pure policy in `router.policy`, and return ranks: the choice alone, then
+the rest by load. Serve then sends to the first rank that accepts (max_ongoing_requests), backing off
 and retrying if none does.
 
-Invariants: the policy functions stay pure; this class holds only the in-flight token book
-(incremented when Serve confirms a request routed, decremented exactly once when it completes) and
-publishes every replica-info update to `router.loadboard` for `/metrics` and `/ready`.
+Why choices are booked before Serve confirms them: Serve runs several routing tasks at once and
+confirms a send (`on_request_routed`) only after the replica's accept round trip, so a burst of
+requests would all be chosen against the same stale book and land on one replica. Each choice
+therefore books its tokens on the chosen replica at once (a *tentative* entry); the confirmation
+moves them to the replica that really took the request, and a tentative entry never confirmed (the
+caller gave up) expires after `TENTATIVE_TTL_S`.
+
+Invariants: the policy functions stay pure; this class holds only the token book (a request counts
+on at most one replica at a time: tentative from its choice, confirmed from its routing, gone exactly
+once when it completes) and publishes every replica-info update to `router.loadboard` for
+`/metrics` and `/ready`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -34,6 +43,8 @@ from router import loadboard
 from router.policy import AffinityParams, choose, rank_replicas
 
 T = TypeVar("T")
+
+TENTATIVE_TTL_S = 10.0  # a choice Serve has not confirmed by then is taken as abandoned
 
 
 def request_tokens(pending_request: PendingRequest | None) -> Sequence[int] | None:
@@ -67,7 +78,8 @@ class LoadAwareRequestRouter(RequestRouter):
         )
         self._lock = threading.Lock()
         self._inflight: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
-        self._inflight_tokens: dict[str, int] = {}  # replica -> tokens
+        self._inflight_tokens: dict[str, int] = {}  # replica -> tokens (tentative and confirmed)
+        self._tentative: dict[str, float] = {}  # internal request id -> when chosen (not yet confirmed)
 
     def _report(self, replica: RunningReplica) -> LoadReport:
         rid = replica.replica_id.unique_id
@@ -75,7 +87,7 @@ class LoadAwareRequestRouter(RequestRouter):
         with self._lock:
             local = self._inflight_tokens.get(rid, 0)
         if local > report.outstanding_tokens:
-            # Our own sends are fresher than a stats poll; with one router process they are the truth.
+            # Our own choices are fresher than a stats poll; with one router process they are the truth.
             report = dataclasses.replace(report, outstanding_tokens=local)
         return report
 
@@ -86,28 +98,55 @@ class LoadAwareRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        tokens = request_tokens(pending_request)
+        if tokens is not None and pending_request is not None:
+            self._unbook(pending_request.metadata.internal_request_id)  # a retry re-chooses from scratch
+        self._expire_tentative()
         reports = [self._report(r) for r in candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        first = choose(self._policy, request_tokens(pending_request), reports, self._params)
+        first = choose(self._policy, tokens, reports, self._params)
+        if tokens is not None and pending_request is not None:
+            self._book(pending_request.metadata.internal_request_id, first, len(tokens), tentative=True)
         return [[by_id[rid] for rid in rank] for rank in rank_replicas(first, reports)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         tokens = request_tokens(pending_request)
         if tokens is None:
             return
-        rid, n = replica_id.unique_id, len(tokens)
-        with self._lock:
-            old = self._inflight.pop(pending_request.metadata.internal_request_id, None)
-            if old is not None:
-                self._sub(*old)
-            self._inflight[pending_request.metadata.internal_request_id] = (rid, n)
-            self._inflight_tokens[rid] = self._inflight_tokens.get(rid, 0) + n
+        iid = pending_request.metadata.internal_request_id
+        self._unbook(iid)
+        self._book(iid, replica_id.unique_id, len(tokens), tentative=False)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._unbook(internal_request_id)
+
+    def booked_tokens(self) -> dict[str, int]:
+        """Tokens this process has chosen or sent to each replica and not seen complete."""
         with self._lock:
-            old = self._inflight.pop(internal_request_id, None)
+            return dict(self._inflight_tokens)
+
+    def _book(self, iid: str, rid: str, n: int, *, tentative: bool) -> None:
+        with self._lock:
+            self._inflight[iid] = (rid, n)
+            self._inflight_tokens[rid] = self._inflight_tokens.get(rid, 0) + n
+            if tentative:
+                self._tentative[iid] = time.monotonic()
+
+    def _unbook(self, iid: str) -> None:
+        with self._lock:
+            self._tentative.pop(iid, None)
+            old = self._inflight.pop(iid, None)
             if old is not None:
                 self._sub(*old)
+
+    def _expire_tentative(self) -> None:
+        cutoff = time.monotonic() - TENTATIVE_TTL_S
+        with self._lock:
+            for iid in [iid for iid, t in self._tentative.items() if t < cutoff]:
+                del self._tentative[iid]
+                old = self._inflight.pop(iid, None)
+                if old is not None:
+                    self._sub(*old)
 
     def _sub(self, rid: str, n: int) -> None:
         left = self._inflight_tokens.get(rid, 0) - n
