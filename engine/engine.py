@@ -80,6 +80,26 @@ class Engine:
             max_model_len=max_len,
         )
 
+    def warm_up(self, num_tokens: int) -> int:
+        """One throwaway prefill forward of up to ``num_tokens`` tokens; returns how many it ran.
+
+        A replica calls this before it serves, so the allocator grows to the size of its largest
+        forward at start-up (memory stays flat under load afterwards, and the first real request does
+        not pay for page faults). The blocks it writes are taken from the pool and given back; the
+        prefix cache never sees them.
+        """
+        n = min(num_tokens, self.max_model_len, self.pool.num_free_blocks * self.block_size)
+        if n < 1:
+            return 0
+        from engine.runner import PrefillChunk
+
+        blocks = self.pool.allocate(self.blocks_for(n))
+        try:
+            self.runner.prefill([PrefillChunk(token_ids=[0] * n, start_pos=0, block_table=blocks)])
+        finally:
+            self.pool.free(blocks)
+        return n
+
     @classmethod
     def load(cls, model: str, config: EngineConfig, cache_dir: str | Path | None = None) -> Engine:
         """``model``: the bundled name, a ``.gguf`` file or a Hugging Face folder."""

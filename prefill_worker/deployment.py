@@ -4,7 +4,8 @@ Owns: building one replica's pieces from a `PrefillWorkerConfig` (engine, outbox
 that serves pulls, the worker) and exposing them to the router: ``prefill``, ``load``, ``ready``,
 ``stats``. All serving logic is in `prefill_worker.worker`; all transfer logic in `kv_transfer`.
 
-Invariants: the replica reports ready only after the model is loaded and the KV source listens;
+Invariants: the replica reports ready only after the model is loaded, has run its warm-up forward
+(``warmup_tokens``, by default one full ``max_batch_tokens`` batch) and the KV source listens;
 ``shutdown`` stops taking work, lets queued prefills finish (bounded by ``drain_timeout_s``) and
 releases whatever the outbox still holds.
 """
@@ -51,6 +52,11 @@ class PrefillServer:
             torch.set_num_threads(config.engine.num_threads)
         self.config = config
         self.engine = Engine.load(config.model, config.engine, config.model_cache_dir)
+        # the largest forward once, before serving: memory reaches its plateau at start-up, not under load
+        warm = config.max_batch_tokens if config.warmup_tokens is None else config.warmup_tokens
+        t0 = time.perf_counter()
+        if (ran := self.engine.warm_up(warm)) > 0:
+            log.info("prefill warm-up: one %d-token forward in %.2f s", ran, time.perf_counter() - t0)
         eos = Tokenizer.from_dir(self.engine.model_dir).eos_token_ids
         self.outbox = Outbox(self.engine.pool.free, default_lease_s=config.kv.lease_s)
         layout = KVLayout.from_model(self.engine.model_config, config.engine.dtype, self.engine.block_size)

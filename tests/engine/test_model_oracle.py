@@ -183,3 +183,23 @@ def test_group_by_length() -> None:
     assert group_by_length([2, 2, 3, 4]) == [(0, 4)]
     assert group_by_length([1, 2, 3, 8]) == [(0, 2), (2, 3), (3, 4)]
     assert group_by_length([1, 3, 7, 15, 31, 63], max_groups=3) == [(0, 1), (1, 2), (2, 6)]
+
+
+def test_warm_up_leaves_pool_and_prefix_cache_untouched(pair) -> None:
+    """The start-up forward takes blocks and gives them back; no block is hashed; answers still match."""
+    hf, eng = pair
+    free_before = eng.pool.num_free_blocks
+    zeros = [0] * 64  # what warm_up feeds: a cached prefix of zeros would be a lie
+    assert eng.warm_up(64) == 64
+    assert eng.pool.num_free_blocks == free_before
+    assert eng.pool.match_prefix(zeros) == []
+    eng.pool.check_integrity()
+    capped = eng.warm_up(10**6)  # never past max_model_len or the free blocks
+    assert capped == min(eng.max_model_len, free_before * eng.block_size)
+    ids = rand_ids(20, 3)
+    blocks = eng.pool.allocate(eng.blocks_for(20))
+    try:
+        ours = eng.runner.prefill([PrefillChunk(ids, 0, blocks)], all_logits=True)
+    finally:
+        eng.pool.free(blocks)
+    torch.testing.assert_close(ours, hf_logits(hf, ids), atol=ATOL, rtol=0)
