@@ -2,7 +2,9 @@
 
 Owns: starting Ray (auth off, no dashboard, a known temp dir, CPUs sized so fractional replicas
 fit), starting Serve's HTTP proxy on the asked host/port, deploying, waiting for ``/ready``,
-printing a curl to paste, and shutting everything down on Ctrl-C (or any exit).
+printing a curl to paste, and on Ctrl-C or SIGTERM draining the app (`cluster.drain`: ``/ready``
+turns 503 first, requests in flight finish) before shutting everything down (a second Ctrl-C skips
+the wait).
 
 Invariants: this module starts what it stops: Serve and Ray are shut down in a ``finally``; the
 wait for ``/ready`` is bounded and a failure to get ready is an error, not a hang.
@@ -77,6 +79,27 @@ def curl_example(base_url: str, model: str, api_key: str | None) -> str:
             f"-d {shlex.quote(json.dumps(body))}")
 
 
+def _drain_before_stop(app_name: str, base: str, cfg: ClusterConfig) -> None:
+    """Drain (bounded by the longest stream the decode pool is configured to wait for); a second
+    Ctrl-C or SIGTERM cuts the wait short."""
+    from cluster.drain import drain_app
+
+    timeout = max(cfg.decode.drain.timeout_s, cfg.prefill.drain.timeout_s)
+    key = cfg.router.api_keys[0] if cfg.router.api_keys else None
+    print(f"\ndraining pdserve (/ready is now 503; up to {timeout:g} s for requests in flight; "
+          "Ctrl-C again to stop at once) ...", flush=True)
+    try:
+        result = drain_app(app_name, base, announce_s=1.0, timeout_s=timeout, api_key=key)
+    except KeyboardInterrupt:
+        print("drain cut short", flush=True)
+        return
+    except Exception as e:  # a drain that cannot run must not keep the cluster up
+        print(f"drain failed: {e!r}", flush=True)
+        return
+    state = "drained" if result.drained else f"timed out with {result.left} in flight"
+    print(f"{state} after {result.total_s:.1f} s", flush=True)
+
+
 def serve_forever(app: Application, cfg: ClusterConfig, opts: LocalOptions) -> None:
     """Run ``app`` until Ctrl-C or SIGTERM, then shut Serve and Ray down."""
     import ray
@@ -87,13 +110,15 @@ def serve_forever(app: Application, cfg: ClusterConfig, opts: LocalOptions) -> N
 
     signal.signal(signal.SIGTERM, _on_term)
     start_ray(cluster_cpus(cfg), opts.temp_dir)
+    base: str | None = None  # set once the app answers /ready (only then is there anything to drain)
     try:
         serve.start(http_options={"host": opts.host, "port": opts.port})
         serve.run(app, name=opts.app_name, route_prefix=opts.route_prefix, blocking=False)
         shown = "127.0.0.1" if opts.host in ("0.0.0.0", "::") else opts.host
-        base = f"http://{shown}:{opts.port}{opts.route_prefix.rstrip('/')}"
+        url = f"http://{shown}:{opts.port}{opts.route_prefix.rstrip('/')}"
         key = cfg.router.api_keys[0] if cfg.router.api_keys else None
-        wait_ready(base, opts.ready_timeout_s, key)
+        wait_ready(url, opts.ready_timeout_s, key)
+        base = url
         print(f"pdserve is ready at {base} (model {cfg.name!r}, mode {cfg.mode}). Try:\n")
         if key:
             print("API keys are on: export PDSERVE_API_KEY=<one of your keys> first.")
@@ -102,7 +127,9 @@ def serve_forever(app: Application, cfg: ClusterConfig, opts: LocalOptions) -> N
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        print("\nstopping pdserve ...", flush=True)
+        if base is not None:
+            _drain_before_stop(opts.app_name, base, cfg)
+        print("stopping pdserve ...", flush=True)
     finally:
         # A second Ctrl-C must not cut the shutdown short and leave replicas running.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -9,6 +9,10 @@ context bound (400 ``context_length_exceeded``) → `Generation` (admission: 429
 ``max_inflight_requests``; prefill, token 0 sent at once, decode stream relayed) → SSE chunks
 ending in ``data: [DONE]``, or one JSON response.
 
+Readiness: ``/health`` says the process answers; ``/ready`` says to send traffic here. ``/ready`` is
+503 while the app's drain flag is set (`router.drain`) — the first thing a drain changes, so a load
+balancer stops sending before anything stops serving — and while either pool does not answer.
+
 Invariants: errors before the first token get their real status (429 with Retry-After, 503, …);
 after it, a stream ends with ``data: {"error": …}`` then ``data: [DONE]``; a client that goes away
 mid-stream cancels the decode stream (the generator is closed, which cancels the Serve stream).
@@ -34,10 +38,12 @@ from router.admission import Admission
 from router.backends import Backends
 from router.codec import load_codec
 from router.config import RouterConfig
+from router.drain import DrainFlag, current_app_name
 from router.errors import (
     APIError,
     bad_request,
     body_too_large,
+    draining,
     from_exception,
     from_validation_errors,
     install_handlers,
@@ -113,6 +119,8 @@ class Router:
         self._admission = Admission(config.max_inflight_requests)
         self._generation = Generation(self._backends, self._codec, self._metrics, self._admission)
         self._keys = tuple(k.encode() for k in config.api_keys)
+        self._drain = DrainFlag(current_app_name())
+        self._metrics.track_in_flight(lambda: self._admission.in_flight)
 
     # ---- guards ----
     def _authorize(self, request: Request) -> None:
@@ -231,6 +239,8 @@ class Router:
     async def ready(self, request: Request) -> Response:
         try:
             self._authorize(request)
+            if self._drain.is_set():
+                raise draining()
             if not await self._backends.ready():
                 raise unavailable("The prefill or decode pool is not ready.")
         except APIError as e:

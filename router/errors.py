@@ -86,6 +86,13 @@ def unavailable(message: str = "The service is not ready.") -> APIError:
     return APIError(503, message, type="service_unavailable", code="service_unavailable")
 
 
+def draining(retry_after_s: float = 5.0) -> APIError:
+    """``/ready`` of an app being drained: look elsewhere (``Retry-After``: come back after that)."""
+    return APIError(503, "This app is draining: it finishes what is in flight and takes no new traffic from "
+                    "the load balancer.", type="service_unavailable", code="draining",
+                    headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
 def internal(exc: BaseException | None = None) -> APIError:
     ref = uuid.uuid4().hex[:12]
     if exc is not None:

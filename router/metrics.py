@@ -16,9 +16,9 @@ a replica that disappeared is dropped at the next scrape (gauges are rebuilt fro
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -83,7 +83,13 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.", registry=r)
         self.success = Counter("pdserve:request_success", "Requests finished, by finish reason.",
                                ["finish_reason"], registry=r)
+        self.in_flight = Gauge("pdserve:router_requests_in_flight",
+                               "Generations this router replica has admitted and not yet finished.", registry=r)
         r.register(LoadReportCollector(load_deployments))
+
+    def track_in_flight(self, count: Callable[[], int]) -> None:
+        """Read ``pdserve:router_requests_in_flight`` from ``count`` at each scrape."""
+        self.in_flight.set_function(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

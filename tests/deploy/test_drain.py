@@ -120,3 +120,56 @@ def test_inflight_stream_survives_a_redeploy_and_new_requests_go_to_new_replicas
     while any(rid in replica_states()["decode"] for rid in old_decode):
         assert time.monotonic() < deadline, replica_states()["decode"]
         time.sleep(0.2)
+
+
+def ready_status(base: str) -> int:
+    return httpx.get(f"{base}/ready", timeout=10).status_code
+
+
+def test_drain_turns_ready_false_first_then_waits_for_the_streams(deployed: Deployed) -> None:
+    """`cluster.drain`: /ready answers 503 while a stream still runs; what arrives meanwhile is
+    served; the drain returns only once the stream is over; undrain puts the app back."""
+    from cluster.drain import DrainResult, drain_app, undrain
+
+    assert ready_status(deployed.base_url) == 200
+    stream = Stream(deployed.base_url, 800)
+    stream.start()
+    deadline = time.monotonic() + 30
+    while len(stream.events) < 20 and stream.is_alive():
+        assert time.monotonic() < deadline, "the stream did not start"
+        time.sleep(0.01)
+    out: list[DrainResult] = []
+    drainer = threading.Thread(target=lambda: out.append(
+        drain_app(APP, deployed.base_url, announce_s=1.0, timeout_s=90)), daemon=True)
+    try:
+        drainer.start()
+        deadline = time.monotonic() + 10
+        while ready_status(deployed.base_url) != 503:
+            assert time.monotonic() < deadline, "/ready never turned 503"
+            time.sleep(0.05)
+        stream_alive_when_unready = stream.is_alive()
+        body = httpx.get(f"{deployed.base_url}/ready", timeout=10)
+        assert body.json()["error"]["code"] == "draining" and int(body.headers["Retry-After"]) >= 1
+        assert httpx.get(f"{deployed.base_url}/health", timeout=10).status_code == 200
+        late = completion(deployed.base_url, [5, 6, 7, 8, 9], 10)  # still served while draining
+        assert late["usage"]["completion_tokens"] == 10
+        drainer.join(timeout=120)
+        assert not drainer.is_alive() and out, "the drain did not return"
+        stream_alive_when_drained = stream.is_alive()
+        stream.join(timeout=60)
+    finally:
+        undrain(APP)
+    result = out[0]
+    print(f"drain: /ready 503 after {result.ready_false_s:.2f} s, drained in {result.total_s:.1f} s, "
+          f"in flight at start {result.in_flight_at_start}")
+    assert stream_alive_when_unready, "the stream ended before /ready turned false: nothing was tested"
+    assert result.drained and not result.left
+    assert any("router_requests_in_flight" in k for k in result.in_flight_at_start)
+    assert not stream_alive_when_drained, "the drain returned while a stream was still running"
+    assert stream.error is None and stream.done_marker
+    assert all("error" not in e for e in stream.events)
+    assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in stream.events) == 800
+    deadline = time.monotonic() + 10
+    while ready_status(deployed.base_url) != 200:
+        assert time.monotonic() < deadline, "/ready stayed 503 after undrain"
+        time.sleep(0.1)
