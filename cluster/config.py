@@ -102,6 +102,7 @@ class AffinitySection(_Section):
 
 class PrefillSection(_Pool):
     max_batch_tokens: int = Field(default=2048, ge=1)
+    max_chunk_tokens: int | None = Field(default=512, ge=1)  # one prompt's most tokens per forward; None: budget
     warmup_tokens: int | None = Field(default=None, ge=0)  # start-up forward; None: max_batch_tokens, 0: none
     num_blocks: int = Field(default=512, ge=1)
     policy: Literal["least_outstanding_tokens", "prefix_affinity"] = "prefix_affinity"
@@ -234,7 +235,8 @@ class ClusterConfig(_Section):
         p = self.prefill
         return PrefillWorkerConfig(model=self.model, engine=self._engine(p), kv=self._kv(),
                                    max_batch_tokens=p.max_batch_tokens, max_queue=p.max_queue,
-                                   warmup_tokens=p.warmup_tokens, model_cache_dir=self.model_cache_dir)
+                                   max_chunk_tokens=p.max_chunk_tokens, warmup_tokens=p.warmup_tokens,
+                                   model_cache_dir=self.model_cache_dir)
 
     def decode_worker_config(self) -> DecodeWorkerConfig:
         d = self.decode

@@ -25,6 +25,7 @@ class PrefillWorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)
     max_batch_tokens: int = 2048  # token budget of one prefill forward
+    max_chunk_tokens: int | None = 512  # one prompt's most tokens per forward (short ones pass it); None: budget
     max_queue: int = 256  # waiting requests beyond this are refused (the router answers 429)
     warmup_tokens: int | None = None  # start-up forward of this many tokens; None: max_batch_tokens, 0: none
     model_cache_dir: str | None = None

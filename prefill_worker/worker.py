@@ -3,13 +3,15 @@
 Life cycle of a request (each name is a queue or a state in this file):
 
 1. ``prefill(req)`` checks the length and the queue bound, then appends a `_Job` to ``waiting``.
-2. The step loop takes jobs from ``waiting`` in FIFO order. On admission a job matches its prompt
-   against the prefix cache (``pool.match_prefix``) and reserves blocks for the rest of the prompt;
-   a job that does not fit waits at the head (blocks come back as the outbox drains) — FIFO, so a
-   long prompt is never overtaken forever.
-3. Each step packs chunks of the admitted jobs into one forward under ``max_batch_tokens``: a prompt
-   longer than the budget is prefilled over several steps (chunked prefill), several short prompts
-   share one forward.
+2. The step loop admits jobs from ``waiting`` in FIFO order, while the admitted ones cannot fill
+   the step's budget. On admission a job matches its prompt against the prefix cache
+   (``pool.match_prefix``) and reserves blocks for the rest of the prompt; a job that does not fit
+   waits at the head (blocks come back as the outbox drains) — FIFO, so a long prompt is never
+   overtaken forever.
+3. Each step packs chunks of the admitted jobs into one forward under ``max_batch_tokens``
+   (`prefill_worker.planner`): the oldest job first, then shortest-remaining first, no job more than
+   ``max_chunk_tokens`` per step — a long prompt is prefilled over several steps (chunked prefill)
+   and short prompts pass it between its chunks; several short prompts share one forward.
 4. After its last chunk a job samples token 0, registers its full blocks in the prefix cache, and
    its blocks move to the **outbox** under a lease; the caller gets a `PrefillResult` with a
    `KVHandle`. If token 0 already ends the request (EOS, a stop id, ``max_tokens == 1``) the blocks
@@ -42,6 +44,7 @@ from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from kv_transfer.outbox import Outbox
 from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.planner import grant_tokens, wants_more
 from prefill_worker.types import LoadReport, PrefillRequest, PrefillResult, PrefillTimings
 
 log = logging.getLogger(__name__)
@@ -181,13 +184,13 @@ class PrefillWorker:
                 self._finish(job, logits[row : row + 1])
 
     def _plan(self) -> tuple[list[PrefillChunk], list[_Job]]:
-        """Pick this step's chunks: FIFO over ``waiting``, admitting as blocks allow, within the budget."""
+        """Pick this step's chunks: admit FIFO as blocks allow, split the budget (`planner`)."""
         budget = self.config.max_batch_tokens
-        chunks: list[PrefillChunk] = []
-        jobs: list[_Job] = []
+        cap = min(self.config.max_chunk_tokens or budget, budget)
         pool = self.engine.pool
+        admitted: list[_Job] = []
         for job in self.waiting:
-            if budget <= 0:
+            if not wants_more([j.remaining for j in admitted], budget, cap):
                 break
             if not job.blocks:
                 hit = pool.match_prefix(job.prompt[:-1]) if self.engine.config.enable_prefix_cache else []
@@ -198,11 +201,15 @@ class PrefillWorker:
                 job.blocks = hit + pool.allocate(need)
                 job.num_cached = job.computed = len(hit) * self.engine.block_size
                 job.started = time.monotonic()
-            n = min(job.remaining, budget)
+            admitted.append(job)
+        chunks: list[PrefillChunk] = []
+        jobs: list[_Job] = []
+        for job, n in zip(admitted, grant_tokens([j.remaining for j in admitted], budget, cap), strict=True):
+            if n == 0:
+                continue
             chunks.append(PrefillChunk(job.prompt[job.computed : job.computed + n], job.computed, job.blocks))
             jobs.append(job)
             job.num_chunks += 1
-            budget -= n
         return chunks, jobs
 
     def _finish(self, job: _Job, logits_row: object) -> None:

@@ -74,6 +74,7 @@ def make_pd(
     max_batch_tokens: int = 256,
     max_num_seqs: int = 64,
     lease_s: float = 30.0,
+    max_chunk_tokens: int | None = 512,
 ) -> PD:
     pe = Engine.from_dir(path, EngineConfig(num_blocks=prefill_blocks, block_size=16))
     de = Engine.from_dir(
@@ -82,7 +83,8 @@ def make_pd(
     )
     outbox = Outbox(pe.pool.free, default_lease_s=lease_s)
     pw = PrefillWorker(
-        pe, PrefillWorkerConfig(max_batch_tokens=max_batch_tokens, kv=KVTransferConfig(lease_s=lease_s)),
+        pe, PrefillWorkerConfig(max_batch_tokens=max_batch_tokens, max_chunk_tokens=max_chunk_tokens,
+                                kv=KVTransferConfig(lease_s=lease_s)),
         outbox, source=("inproc", 1), eos_token_ids=(EOS,),
     )
     imp = InProcessImporter()
