@@ -223,7 +223,7 @@ class DecodeWorker:
         seqs = [self._decode_seq(st) for st in decode]
         try:
             t0 = time.monotonic()
-            dec_logits, pre_logits = await asyncio.to_thread(self._forward, seqs, chunks)
+            dec_logits, pre_logits = await self.engine.model_thread.run(self._forward, seqs, chunks)
             dt = time.monotonic() - t0
         except Exception as e:
             log.exception("decode step failed")

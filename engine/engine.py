@@ -12,7 +12,7 @@ never exceeds the model's positions; loading either returns a complete engine or
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.errors import ContextLengthError
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
+from engine.model_thread import ModelThread
 from engine.runner import ModelRunner
 from engine.weights import load_weights
 
@@ -34,6 +35,8 @@ class Engine:
     pool: BlockPool
     model_dir: Path
     max_model_len: int
+    # every forward of this engine runs here (one thread, one malloc arena: see `model_thread`)
+    model_thread: ModelThread = field(default_factory=ModelThread, repr=False)
 
     @property
     def cache(self) -> KVCache:
@@ -95,7 +98,8 @@ class Engine:
 
         blocks = self.pool.allocate(self.blocks_for(n))
         try:
-            self.runner.prefill([PrefillChunk(token_ids=[0] * n, start_pos=0, block_table=blocks)])
+            chunk = PrefillChunk(token_ids=[0] * n, start_pos=0, block_table=blocks)
+            self.model_thread.call(self.runner.prefill, [chunk])  # on the thread that runs the load
         finally:
             self.pool.free(blocks)
         return n

@@ -170,7 +170,7 @@ class PrefillWorker:
                 await asyncio.wait_for(self._wake.wait(), timeout=0.05 if self.waiting else 1.0)
             return
         try:
-            logits = await asyncio.to_thread(self.engine.runner.prefill, chunks)
+            logits = await self.engine.model_thread.run(self.engine.runner.prefill, chunks)
         except Exception as e:  # a failed forward fails its jobs, never the worker
             log.exception("prefill forward failed")
             for job in jobs:

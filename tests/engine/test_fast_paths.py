@@ -139,11 +139,30 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype) -> None:
     assert isinstance(lin, PackedLinear)
     assert lin.nbytes == Linear(w, bias).nbytes
     tol = 1e-5 if dtype == torch.float32 else 5e-2
-    for rows in (1, 5, 64):
+    for rows in (1, 5, 64, 65, 200, 512, 513, 1100):  # above 64: tiles of 512, the last one padded
         x, res = torch.randn(rows, 32, generator=g).to(dtype), torch.randn(rows, 48, generator=g).to(dtype)
         want = F.linear(x.float(), w.float(), bias.float())
         torch.testing.assert_close(lin(x).float(), want, atol=tol, rtol=tol)
         torch.testing.assert_close(lin(x, residual=res).float(), want + res.float(), atol=tol, rtol=tol)
+
+
+def test_packed_linear_sees_a_fixed_set_of_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN caches a primitive per row count: every prompt length must map into one fixed set."""
+    if not onednn_packing_available(torch.float32):
+        pytest.skip("no oneDNN weight packing in this torch build")
+    lin = make_linear(torch.randn(16, 8))
+    assert isinstance(lin, PackedLinear)
+    seen: set[int] = set()
+    mm = lin._mm
+
+    def spy(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        seen.add(x.shape[0])
+        return mm(x, residual)
+
+    monkeypatch.setattr(lin, "_mm", spy)
+    for rows in range(1, 1601):
+        assert lin(torch.zeros(rows, 8)).shape == (rows, 16)
+    assert seen == set(range(1, 65)) | set(range(128, 513, 64))
 
 
 def test_decode_refuses_short_block_table(tiny_dir: Path) -> None:
