@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 
@@ -43,31 +44,50 @@ def layers_per_chunk(num_layers: int, layer_nbytes: int) -> int:
     return max(fits, default=1)
 
 
+def size_class(nbytes: int) -> int:
+    """The buffer size `BufferPool` hands out for ``nbytes``: the next power of two, at least 64 KiB."""
+    return max(_MIN_CLASS_BYTES, 1 << max(0, nbytes - 1).bit_length())
+
+
+_MIN_CLASS_BYTES = 64 << 10
+
+
 class BufferPool:
-    """Free tensors by (shape, dtype, device), reused across transfers; holds at most ``max_bytes``."""
+    """Free flat buffers by (size class, dtype, device), reused across transfers; holds at most ``max_bytes``.
+
+    A transfer's ring slot is a view of a flat buffer of the next power-of-two size, so transfers of
+    different lengths reuse the same buffers (keyed by exact shape, every prompt length would leave
+    buffers of its own behind, and the process's memory would creep with the mix of lengths).
+    """
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes
-        self._free: dict[tuple[tuple[int, ...], torch.dtype, str], list[torch.Tensor]] = {}
+        self._free: dict[tuple[int, torch.dtype, str], list[torch.Tensor]] = {}
         self._held = 0
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, n: int) -> list[torch.Tensor]:
-        key = (shape, dtype, str(device))
+        numel = math.prod(shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        cls = size_class(numel * itemsize)
+        key = (cls, dtype, str(device))
         with self._lock:
             got = self._free.get(key, [])[:n]
             if got:
                 self._free[key] = self._free[key][len(got):]
-                self._held -= sum(t.nbytes for t in got)
-        return got + [torch.empty(shape, dtype=dtype, device=device) for _ in range(n - len(got))]
+                self._held -= cls * len(got)
+        bases = got + [torch.empty(cls // itemsize, dtype=dtype, device=device) for _ in range(n - len(got))]
+        return [b[:numel].view(shape) for b in bases]
 
     def give(self, tensors: Sequence[torch.Tensor]) -> None:
         with self._lock:
             for t in tensors:
-                if self._held + t.nbytes > self.max_bytes:
-                    break  # over budget: let it go (its memory returns to the allocator)
-                self._free.setdefault((tuple(t.shape), t.dtype, str(t.device)), []).append(t)
-                self._held += t.nbytes
+                base = t._base if t._base is not None else t
+                ours = base.dim() == 1 and base.nbytes == size_class(base.nbytes)
+                if not ours or self._held + base.nbytes > self.max_bytes:
+                    continue  # not one of ours, or over budget: let it go (its memory returns to the allocator)
+                self._free.setdefault((base.nbytes, base.dtype, str(base.device)), []).append(base)
+                self._held += base.nbytes
 
     @property
     def held_bytes(self) -> int:

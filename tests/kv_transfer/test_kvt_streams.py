@@ -9,7 +9,7 @@ import torch
 
 from kv_transfer.blocks import block_runs, direct_views, run_lengths, source_tensors
 from kv_transfer.errors import TransferError
-from kv_transfer.streams import BufferPool, GatherStream, ScatterStream
+from kv_transfer.streams import BufferPool, GatherStream, ScatterStream, size_class
 
 from .kvt_helpers import SMOL, digest, make_cache
 
@@ -55,14 +55,19 @@ def test_pool_reuses_buffers_after_completion_only_within_budget() -> None:
     pool = BufferPool(max_bytes=10 << 20)
     s = GatherStream(cache, [1, 2, 3], pool)
     ptrs = {s.buffer(i).data_ptr() for i in range(s.window)}
-    ring_bytes = s.window * s.chunk_nbytes
+    ring_bytes = s.window * size_class(s.chunk_nbytes)
     s.complete()
     assert pool.held_bytes == ring_bytes
     s2 = GatherStream(cache, [4, 5, 6], pool)
     assert {s2.buffer(i).data_ptr() for i in range(s2.window)} == ptrs and pool.held_bytes == 0
+    c2 = s2.chunk_nbytes
+    s2.complete()
+    s3 = GatherStream(cache, [4, 5, 6, 7], pool)  # another length, same size class: the same buffers
+    assert s3.chunk_nbytes != c2 and size_class(s3.chunk_nbytes) == size_class(c2)
+    assert {s3.buffer(i).data_ptr() for i in range(s3.window)} == ptrs
     tiny = BufferPool(max_bytes=1)
-    s3 = GatherStream(cache, [1], tiny)
-    s3.complete()
+    s4 = GatherStream(cache, [1], tiny)
+    s4.complete()
     assert tiny.held_bytes == 0
 
 
