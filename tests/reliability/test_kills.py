@@ -165,10 +165,16 @@ def test_decode_replica_killed_under_load(app: Journals) -> None:
                 def live_on(pid: int) -> set[str]:  # streams decoding on that replica right now
                     return (set(read_journals(app.dir, "decode").get(pid, ())) & first) - finished
 
-                def both_busy() -> bool:  # the router spreads a burst, so each replica holds some streams
-                    return len(first) == 8 and all(live_on(p) for p in pids)
+                def both_busy() -> bool:
+                    # Every stream has reached its decode replica (token 0 comes from prefill, so a
+                    # stream can be past it while its decode call is still on the way: killed then,
+                    # it would be cut without being in the victim's journal), and the router spread
+                    # the burst, so each replica holds some.
+                    journaled = {rid for ids in read_journals(app.dir, "decode").values() for rid in ids}
+                    return (len(first) == 8 and first <= journaled | finished
+                            and all(live_on(p) for p in pids))
 
-                await _until(both_busy, 60, "all 8 streams past token 0, each decode replica streaming some")
+                await _until(both_busy, 60, "all 8 streams on a decode replica, each replica streaming some")
                 victim = max(sorted(pids), key=lambda p: len(live_on(p)))
                 cut_ids = live_on(victim)
                 os.kill(victim, signal.SIGKILL)
