@@ -84,9 +84,9 @@ class PackedLinear(Linear):
     # each: prefill's ever-new row counts made a replica's memory creep for as long as it served.
     # So up to `exact_rows` rows (decode batches) run as they are; more rows run in tiles of
     # `row_tile`, the last one padded up to a multiple of `row_quantum`. Row counts seen by oneDNN:
-    # 1..64, 128, 192, ..., 512 -- a fixed set of 72, reached in the first minutes. Cost, measured
-    # side by side (medians of 3): a 2048-token prefill 5.90 s in tiles vs 5.65 s whole (+4%), and a
-    # 300-token one pays for its 20 padded rows.
+    # 1..64, 128, 192, ..., 512 -- a fixed set of 72, reached in the first minutes. Cost: a
+    # 2048-token fp32 prefill took 3.231 s tiled vs 3.229 s whole (`bench_engine`, medians of 3,
+    # back-to-back runs, 2-core Xeon); a 300-token one pays for its 20 padded rows.
     exact_rows = 64
     row_tile = 512
     row_quantum = 64
