@@ -17,8 +17,8 @@ Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler
    the caller closing the stream frees its blocks before the next step (a transfer in flight is
    allowed to finish first, so nothing is ever written into blocks someone else owns).
 
-Invariants: the scheduler, pool and streams are touched only on the event loop; the model runs in
-one worker thread at a time; each stream gets exactly one final event.
+Invariants: the scheduler, pool and streams are touched only on the event loop; the model runs on the
+engine's `ModelThread`, one forward at a time; each stream gets exactly one final event.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ Life cycle of a request (each name is a queue or a state in this file):
 5. The decode side pulls the blocks and sends DONE (or RELEASE); the outbox frees them then, or
    when the lease expires.
 
-Invariants: the model runs only in the step loop (one forward at a time, in a worker thread, so the
-event loop keeps serving); every block a job holds is freed exactly once — by the outbox, or here
+Invariants: the model runs only in the step loop (one forward at a time, on the engine's
+`ModelThread`, so the event loop keeps serving); every block a job holds is freed exactly once — by the outbox, or here
 on failure or cancellation.
 """
 
