@@ -4,7 +4,8 @@ Writes ``results/engine.json`` (schema: `loadtests.schemas.ENGINE_SCHEMA`) and `
 Medians of repeated runs; every ratio divides numbers measured in this same run: the matmul peak
 and matrix-vector read bandwidth (`loadtests.machine`), transformers on the same weights, and the
 bf16 engine next to its int8 twin. Sections: limits, per-dtype prefill/decode/transformers, int8
-(speed, greedy agreement, log-likelihood), a `torch.profiler` summary of decode steps, targets.
+(speed; greedy agreement and log-likelihood from `loadtests.int8_accuracy`), a `torch.profiler`
+summary of decode steps, targets.
 
 FLOPs are the useful ones: every token's layer matmuls, causal attention over the keys each query
 sees, and the lm_head for the one row whose logits a prefill returns (transformers is asked for the
@@ -32,6 +33,7 @@ from engine.model import LlamaModel
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from engine.weights import load_weights
 from loadtests import machine as mach
+from loadtests.int8_accuracy import int8_accuracy, prompt_ids, text_ids
 
 
 @dataclass(frozen=True)
@@ -45,24 +47,6 @@ class Sizes:
 FULL = Sizes(prefill=(128, 512, 2048), batches=(1, 8, 32), contexts=(256, 1024), gen_tokens=64)
 QUICK = Sizes(prefill=(16, 64), batches=(1, 4), contexts=(16, 48), gen_tokens=8)
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in one sentence why the sky is blue.",
-    "List three uses of a paperclip.",
-    "Translate 'good morning' into Spanish and German.",
-    "What is 17 times 23? Show your steps.",
-    "Give me a short tip for learning to cook.",
-    "Describe a cat to someone who has never seen one.",
-]
-TEXT = (
-    "The river ran cold and clear through the valley, past the mill and the old stone bridge. In spring the "
-    "water rose with the melting snow, and the children of the village would stand on the bank to watch "
-    "branches and small pieces of ice float by. The miller, a patient man with flour in his beard, said the "
-    "river had a memory: it always returned to the same bed, however far the floods had pushed it. Scientists "
-    "who studied the valley later found that he was mostly right, although the channel had shifted by a few "
-    "metres every century, carving new bends and abandoning old ones as oxbow lakes."
-)
 
 
 def useful_flops(eng: Engine, n: int) -> float:
@@ -168,88 +152,6 @@ def bench_transformers(model_dir: Path, dtype: torch.dtype, sizes: Sizes, repeat
     return out
 
 
-# -- int8: speed next to bf16, and accuracy ---------------------------------------------------------
-
-
-def _prompt_ids(eng: Engine, n_random: int) -> list[list[int]]:
-    try:
-        from engine.tokenizer import Tokenizer
-
-        tok = Tokenizer.from_dir(eng.model_dir)
-        return [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    except Exception:  # a model without a tokenizer (the tiny test models): fixed random prompts
-        g = torch.Generator().manual_seed(0)
-        return [torch.randint(3, eng.model_config.vocab_size, (n_random,), generator=g).tolist() for _ in PROMPTS]
-
-
-def _text_ids(eng: Engine) -> list[int]:
-    try:
-        from engine.tokenizer import Tokenizer
-
-        return list(Tokenizer.from_dir(eng.model_dir).encode(TEXT))
-    except Exception:
-        g = torch.Generator().manual_seed(1)
-        return torch.randint(3, eng.model_config.vocab_size, (96,), generator=g).tolist()
-
-
-def _greedy(eng: Engine, runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
-    blocks = eng.pool.allocate(eng.blocks_for(len(prompt) + n))
-    try:
-        out = [int(runner.prefill([PrefillChunk(prompt, 0, blocks)]).argmax(-1))]
-        while len(out) < n:
-            out.append(int(runner.decode([DecodeSeq(out[-1], len(prompt) + len(out) - 1, blocks)]).argmax(-1)))
-        return out
-    finally:
-        eng.pool.free(blocks)
-
-
-def _all_logits(eng: Engine, runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    if runner.cache is not eng.cache:  # a runner with its own small cache: blocks 0.. are free
-        return runner.prefill([PrefillChunk(ids, 0, list(range(eng.blocks_for(len(ids)))))], all_logits=True)
-    blocks = eng.pool.allocate(eng.blocks_for(len(ids)))
-    try:
-        return runner.prefill([PrefillChunk(ids, 0, blocks)], all_logits=True)  # [S, V]
-    finally:
-        eng.pool.free(blocks)
-
-
-def int8_accuracy(eng: Engine, base: ModelRunner, q8: ModelRunner, sizes: Sizes,
-                  fp32: ModelRunner | None = None) -> dict[str, Any]:
-    """Greedy agreement over the fixed prompts and the log-likelihood of a fixed text.
-
-    ``fp32``, if given, is scored on the same greedy tokens: what plain bf16 rounding alone costs.
-    """
-    agree = total = identical = agree32 = 0
-    prefix_frac = []
-    for prompt in _prompt_ids(eng, 24):
-        ref = _greedy(eng, base, prompt, sizes.gen_tokens)
-        # teacher-forced: the int8 model's argmax at every step of the reference continuation
-        logits = _all_logits(eng, q8, prompt + ref[:-1])[len(prompt) - 1 :]
-        agree += int((logits.argmax(-1) == torch.tensor(ref)).sum())
-        total += len(ref)
-        if fp32 is not None:
-            logits = _all_logits(eng, fp32, prompt + ref[:-1])[len(prompt) - 1 :]
-            agree32 += int((logits.argmax(-1) == torch.tensor(ref)).sum())
-        mine = _greedy(eng, q8, prompt, sizes.gen_tokens)  # free-running
-        same = next((i for i, (a, b) in enumerate(zip(ref, mine, strict=True)) if a != b), len(ref))
-        prefix_frac.append(same / len(ref))
-        identical += int(same == len(ref))
-    ids = _text_ids(eng)
-    nll = {}
-    for name, r in (("base", base), ("int8", q8)):
-        lp = torch.log_softmax(_all_logits(eng, r, ids)[:-1], -1)
-        nll[name] = float(-lp.gather(1, torch.tensor(ids[1:])[:, None]).mean())
-    return {
-        "prompts": len(PROMPTS), "tokens_per_prompt": sizes.gen_tokens,
-        "greedy_agreement": agree / total,
-        "fp32_greedy_agreement": agree32 / total if fp32 is not None else None,
-        "free_running_prefix_fraction": statistics.mean(prefix_frac),
-        "identical_continuations": identical,
-        "text_tokens": len(ids), "nll_base": nll["base"], "nll_int8": nll["int8"],
-        "nll_delta": nll["int8"] - nll["base"],
-    }
-
-
 # -- the run ----------------------------------------------------------------------------------------
 
 
@@ -316,10 +218,10 @@ def run_int8(eng: Engine, base_run: dict[str, Any], sizes: Sizes, repeats: int, 
     fp32 = None
     if dtype != torch.float32:
         cfg32 = load_weights(eng.model_dir, cfg, torch.float32)
-        need = max(len(p) for p in _prompt_ids(eng, 24)) + sizes.gen_tokens + len(_text_ids(eng))
+        need = max(len(p) for p in prompt_ids(eng, 24)) + sizes.gen_tokens + len(text_ids(eng))
         fp32 = ModelRunner(LlamaModel(cfg, cfg32, eng.max_model_len),
                            KVCache.allocate(cfg, eng.blocks_for(need), eng.block_size, torch.float32))
-    out["accuracy"] = int8_accuracy(eng, eng.runner, q8, sizes, fp32)
+    out["accuracy"] = int8_accuracy(eng, eng.runner, q8, sizes.gen_tokens, fp32)
     if with_profile:
         out["profile"] = [profile_decode(eng, q8, 1, sizes.contexts[0])]
     return out
