@@ -11,8 +11,8 @@ on the main thread warmed an arena the forwards never used. One thread means one
 grows it to its plateau, and load afterwards reuses it.
 
 Invariants: calls run one at a time, in submission order; a cancelled awaiter does not cancel a
-forward already running (the caller must not free what the forward reads until `run` returns or
-the thread is closed); `close` waits for the running forward and refuses new ones.
+forward already running (the caller must not free what the forward reads until `run` returns).
+The thread lives as long as its engine (one per replica process); it exits with the interpreter.
 """
 
 from __future__ import annotations
@@ -38,6 +38,3 @@ class ModelThread:
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the model thread and block until it returns (for start-up work)."""
         return self._executor.submit(fn, *args).result()
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -68,7 +68,7 @@ class BufferPool:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, n: int) -> list[torch.Tensor]:
         numel = math.prod(shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         cls = size_class(numel * itemsize)
         key = (cls, dtype, str(device))
         with self._lock:
