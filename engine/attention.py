@@ -178,6 +178,8 @@ def paged_decode_attention(
     vb = ws.buffer("v", (b * meta.n_blocks, bs, kvh, d), dt, dev)
     torch.index_select(k_cache, 0, meta.block_ids, out=kb)
     torch.index_select(v_cache, 0, meta.block_ids, out=vb)
+    if b == 1:
+        return _single_decode_attention(q, kb, vb, meta.bias, scale)
     if dt == torch.float32 or b * length <= SMALL_DECODE_ROWS:
         # fp32: SDPA's CPU kernel reads the strided [B, KV, L, D] views directly and is the faster one;
         # small bf16 steps are faster converted to fp32 than through bf16 bmm's fixed costs.
@@ -200,3 +202,23 @@ def paged_decode_attention(
     o = torch.bmm(p, vb.view(b, length, kvh * d))  # [B, H, KV * D]
     o = o.view(b, kvh, g, kvh, d).diagonal(dim1=1, dim2=3)  # [B, G, D, KV]: each head's own KV head
     return o.permute(0, 3, 1, 2).reshape(b, h * d)  # [B, H * D], h = kv * G + g
+
+
+def _single_decode_attention(
+    q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence: q [1, H, D], its gathered blocks kb/vb [n_blocks, bs, KV, D], bias [1, 1, L].
+
+    GQA without padding FLOPs: the KV heads are the bmm batch, each with its G query heads as rows,
+    and K is read in place as the strided ``[KV, D, L]`` view (a transposed matrix to BLAS). In
+    fp32 (bf16 is computed in fp32 here, like the other small steps) this took ~0.7x SDPA's time
+    on a 2-core Xeon at 272 and 1,040 positions.
+    """
+    _, h, d = q.shape
+    kvh = kb.shape[2]
+    length = kb.shape[0] * kb.shape[1]
+    k = kb.view(length, kvh, d).permute(1, 2, 0).float()  # [KV, D, L]
+    v = vb.view(length, kvh, d).transpose(0, 1).float()  # [KV, L, D]
+    s = torch.baddbmm(bias.expand(kvh, h // kvh, length), q.float().view(kvh, h // kvh, d), k, alpha=scale)
+    p = torch.softmax(s, dim=-1)  # [KV, G, L] fp32; padding positions at -inf get 0
+    return torch.bmm(p, v).view(1, h * d).to(q.dtype)  # [1, H * D], h = kv * G + g

@@ -187,11 +187,14 @@ class EngineConfig:
     cpu_affinity: tuple[int, ...] = ()  # pin this process to these cores (benchmarks on small machines)
     quantization: str | None = None  # None, or "int8": weight-only int8 linear layers (`engine.quant`)
     fast_kernels: bool = True  # False: the plain reference forward (F.linear, slot gathers), for tests
+    linear_kernels: str = "auto"  # oneDNN weight format: "auto" (timed at load), "packed" or "plain"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "int8"):
             raise ValueError(f"unknown quantization {self.quantization!r}; expected None or 'int8'")
+        if self.linear_kernels not in ("auto", "packed", "plain"):
+            raise ValueError(f"unknown linear_kernels {self.linear_kernels!r}; expected 'auto', 'packed' or 'plain'")
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:

@@ -11,6 +11,7 @@ never exceeds the model's positions; loading either returns a complete engine or
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +22,12 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ContextLengthError
 from engine.kv_cache import KVCache
-from engine.model import LlamaModel
+from engine.model import build_model
 from engine.model_thread import ModelThread
 from engine.runner import ModelRunner
 from engine.weights import load_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,7 +72,10 @@ class Engine:
         mcfg = ModelConfig.from_dir(model_dir)
         max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         weights = load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device)
-        model = LlamaModel(mcfg, weights, max_positions=max_len)
+        model = build_model(mcfg, weights, max_len, config)
+        if model.kernel_choices:
+            summary = "; ".join(c.summary() for c in model.kernel_choices)
+            log.info("linear kernels (%s): %s", config.linear_kernels, summary)
         cache = KVCache.allocate(
             mcfg, config.num_blocks, config.block_size, config.torch_dtype, config.device
         )

@@ -20,6 +20,7 @@ reads it; logits come back in fp32; the model holds no per-request state (decode
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,8 +35,9 @@ from engine.attention import (
     write_kv,
 )
 from engine.config import EngineConfig, ModelConfig
+from engine.kernel_choice import KernelChoice, build_linears
 from engine.kv_cache import KVCache
-from engine.quant import Linear, make_linear
+from engine.quant import Linear
 from engine.rope import RotaryEmbedding
 from engine.weights import ModelWeights
 
@@ -89,7 +91,9 @@ class LlamaModel:
     """Weights in their kernels' formats + the two forwards. Holds no per-request state.
 
     ``quantization="int8"`` stores every linear layer (lm_head included unless
-    ``quantize_lm_head=False``) as weight-only int8; it implies the fast path.
+    ``quantize_lm_head=False``) as weight-only int8; it implies the fast path. ``linear_kernels``
+    picks the oneDNN weight format of the dense fast path (`engine.kernel_choice`): ``"auto"``
+    times both per class of layers; ``kernel_choices`` records what each class got.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class LlamaModel:
         fast: bool = True,
         quantization: str | None = None,
         quantize_lm_head: bool = True,
+        linear_kernels: str = "auto",
     ) -> None:
         self.cfg = cfg
         self.fast = fast or quantization is not None
@@ -117,27 +122,48 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
         self.ws = Workspace()
 
-        def lin(
-            w: torch.Tensor, b: torch.Tensor | None = None, norm: torch.Tensor | None = None, quantize: bool = True
-        ) -> Linear:
+        def fold(w: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
             if self.fast and norm is not None:
                 # W @ (g * x) == (W * g) @ x: the fast path folds the RMSNorm gain g into the weight.
-                w = (w.float() * norm.float()).to(w.dtype)
-            return make_linear(w, b, fast=self.fast, quantization=quantization if quantize else None)
+                return (w.float() * norm.float()).to(w.dtype)
+            return w
 
-        # The loaded tensors are not kept: a packed or int8 kernel replaces its plain weight.
+        # One class of linears at a time (so `engine.kernel_choice` can time a class as a step
+        # streams it); the loaded tensors are not kept where a packed or int8 kernel replaces them.
+        lws = weights.layers
+        none: list[torch.Tensor | None] = [None] * len(lws)
+        classes: dict[str, Callable[[], tuple[list[torch.Tensor], list[torch.Tensor | None]]]] = {
+            "qkv": lambda: ([fold(lw.qkv, lw.input_norm) for lw in lws], [lw.qkv_bias for lw in lws]),  # bias: Qwen2
+            "o_proj": lambda: ([lw.o_proj for lw in lws], none),
+            "gate_up": lambda: ([fold(lw.gate_up, lw.post_norm) for lw in lws], none),
+            "down": lambda: ([lw.down for lw in lws], none),
+        }
+        self.kernel_choices: list[KernelChoice] = []
+        built: dict[str, list[Linear]] = {}
+        for name, make in classes.items():  # folded copies of one class at a time
+            built[name], choice = build_linears(
+                name, *make(), fast=self.fast, quantization=quantization, mode=linear_kernels
+            )
+            if choice is not None:
+                self.kernel_choices.append(choice)
         self.layers = [
             LayerKernels(
                 input_norm=lw.input_norm,
-                qkv=lin(lw.qkv, lw.qkv_bias, norm=lw.input_norm),
-                o_proj=lin(lw.o_proj),
+                qkv=built["qkv"][i],
+                o_proj=built["o_proj"][i],
                 post_norm=lw.post_norm,
-                gate_up=lin(lw.gate_up, norm=lw.post_norm),
-                down=lin(lw.down),
+                gate_up=built["gate_up"][i],
+                down=built["down"][i],
             )
-            for lw in weights.layers
+            for i, lw in enumerate(lws)
         ]
-        self.lm_head = lin(weights.lm_head, norm=weights.norm, quantize=quantize_lm_head)
+        head, choice = build_linears(
+            "lm_head", [fold(weights.lm_head, weights.norm)], [None], fast=self.fast,
+            quantization=quantization if quantize_lm_head else None, mode=linear_kernels,
+        )
+        self.lm_head = head[0]
+        if choice is not None:
+            self.kernel_choices.append(choice)
 
     def weight_nbytes(self) -> int:
         """Bytes one forward streams for the weights: the linear layers' (norm gains too on the
@@ -156,9 +182,7 @@ class LlamaModel:
         """RMSNorm; on the fast path without the gain, which lives in the next linear's weight."""
         if not self.fast:
             return rms_norm(x, weight, self.cfg.rms_norm_eps)
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), None, self.cfg.rms_norm_eps)  # one fused op, fp32 inside
 
     def _qkv(
         self, lk: LayerKernels, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
@@ -273,5 +297,6 @@ class LlamaModel:
 
 
 def build_model(cfg: ModelConfig, weights: ModelWeights, max_positions: int, config: EngineConfig) -> LlamaModel:
-    """The model `EngineConfig` asks for: ``fast_kernels`` and ``quantization``."""
-    return LlamaModel(cfg, weights, max_positions, fast=config.fast_kernels, quantization=config.quantization)
+    """The model `EngineConfig` asks for: ``fast_kernels``, ``quantization`` and ``linear_kernels``."""
+    return LlamaModel(cfg, weights, max_positions, fast=config.fast_kernels, quantization=config.quantization,
+                      linear_kernels=config.linear_kernels)

@@ -4,12 +4,14 @@ Owns: how one linear layer's weight ``W: [out, in]`` is stored for the fastest k
 device, ``y = x @ W.T (+ bias) (+ residual)`` computed from that storage, and symmetric
 per-output-channel int8 quantization (``quantize_int8`` / ``dequantize_int8``).
 
-Why three formats (measured on a 2-core AVX-512 EPYC, torch 2.13, one row of ``x``, weights
-streamed from DRAM; the host is shared, so these are best-of-several):
-- ``F.linear`` reaches ~11 GB/s in fp32; in bf16 oneDNN re-packs the weight into its VNNI layout on
-  every call, so bf16 is barely faster per element than fp32.
-- oneDNN with the weight prepacked once (``mkldnn._reorder_linear_weight``) reaches ~16-22 GB/s in
-  both dtypes, and is as fast as ``F.linear`` or faster at 32 and 512 rows.
+Why these formats (one row of ``x``, weights streamed from DRAM, torch 2.13; the hosts are
+shared, so these are best-of-several). Which kernel is fastest depends on the CPU:
+- on a 2-core AVX-512 EPYC, ``F.linear`` reaches ~11 GB/s in fp32 (in bf16 oneDNN re-packs the
+  weight into its VNNI layout on every call), and oneDNN with the weight prepacked once
+  (``mkldnn._reorder_linear_weight``) ~16-22 GB/s in both dtypes, as fast or faster at 32 and 512 rows;
+- on a 2-core Xeon, BLAS (``addmm``) reads an fp32 weight at ~27 GB/s for one row, packed oneDNN
+  at ~20; from 8 rows up oneDNN on the plain layout is as fast as on the packed one.
+So `PackedLinear` has two formats, and `engine.kernel_choice` times both on the machine at load.
 - ``aten._weight_int8pack_mm`` (int8 weight, bf16 activations) reads half the bytes of bf16 but
   runs at ~12 GB/s over SmolLM2's shapes (20-30 GB/s only on large matrices; it is not bandwidth
   bound there), so the int8 matmuls of a step take ~0.7x of the bf16 ones, not 0.5x. Above
@@ -64,17 +66,33 @@ def onednn_packing_available(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(Linear):
-    """oneDNN inner product over a weight prepacked once; the residual add is fused as a post-op.
+    """oneDNN inner product (residual add fused as a post-op), in one of two weight formats.
 
-    Keeps no plain copy of the weight: ``self.weight`` is an opaque oneDNN tensor. Only for CPU
-    fp32/bf16 weights where `onednn_packing_available` holds (use `make_linear`).
+    - ``"packed"``: the weight is reordered once into oneDNN's blocked layout (``self.weight`` is
+      then an opaque oneDNN tensor) and every row count runs through oneDNN.
+    - ``"plain"``: the weight stays a plain ``[out, in]`` tensor; one row (a batch-1 decode step)
+      runs as a BLAS matrix-vector product (``addmm``), more rows through oneDNN on the plain layout.
+      On a 2-core Xeon (torch 2.13) BLAS reads an fp32 weight at ~27 GB/s for one row where oneDNN
+      gets ~20, while oneDNN on the plain layout matches the packed one at 8-512 rows; on an AVX-512
+      EPYC packed oneDNN was the faster one-row kernel. Which format a model gets is measured on the
+      machine at load (`engine.kernel_choice`).
+
+    Only for CPU fp32/bf16 weights where `onednn_packing_available` holds (use `make_linear`).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, rows_hint: int = 1) -> None:
+    FORMATS = ("packed", "plain")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, rows_hint: int = 1,
+                 fmt: str = "packed") -> None:
+        if fmt not in self.FORMATS:
+            raise ValueError(f"unknown linear format {fmt!r}; expected one of {self.FORMATS}")
         super().__init__(weight, bias)
+        self.format = fmt
         self._plain_nbytes = super().nbytes
-        # rows_hint only tunes the blocking oneDNN picks; any row count is correct.
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+        self._blas_rows = 1 if fmt == "plain" else 0
+        if fmt == "packed":
+            # rows_hint only tunes the blocking oneDNN picks; any row count is correct.
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
 
     @property
     def nbytes(self) -> int:
@@ -93,6 +111,8 @@ class PackedLinear(Linear):
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
+        if rows <= self._blas_rows:
+            return self._blas(x, residual)
         if rows <= self.exact_rows:
             return self._mm(x, residual)
         outs = []
@@ -105,6 +125,14 @@ class PackedLinear(Linear):
                 rs = F.pad(rs, (0, 0, 0, pad)) if rs is not None else None
             outs.append(self._mm(xs, rs)[:n])
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _blas(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """Plain format, one row: ``x [1, in] @ W.T`` as a BLAS gemv, bias and residual in its beta term."""
+        if residual is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is not None:
+            residual = residual + self.bias
+        return torch.addmm(residual, x, self.weight.t())
 
     def _mm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:
@@ -170,9 +198,14 @@ class Int8Linear(Linear):
 
 
 def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None = None, *, fast: bool = True, quantization: str | None = None
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    fast: bool = True,
+    quantization: str | None = None,
+    fmt: str = "packed",
 ) -> Linear:
-    """The kernel for one layer: int8 if asked, else prepacked oneDNN where available, else plain."""
+    """The kernel for one layer: int8 if asked, else oneDNN in ``fmt`` where available, else plain."""
     if quantization is not None:
         if quantization != "int8":
             raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATION_MODES}")
@@ -183,5 +216,5 @@ def make_linear(
         and weight.dtype in (torch.float32, torch.bfloat16)
         and onednn_packing_available(weight.dtype)
     ):
-        return PackedLinear(weight, bias)
+        return PackedLinear(weight, bias, fmt=fmt)
     return Linear(weight, bias)

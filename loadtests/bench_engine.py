@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +176,7 @@ def run_dtype(eng: Engine, limits: dict[str, float], sizes: Sizes, repeats: int,
     kv_tok = eng.model_config.kv_bytes_per_token(eng.config.torch_dtype)
     bw = limits[f"matvec_{dt}_gbs"] * 1e9
     out: dict[str, Any] = {"dtype": eng.config.dtype, "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
+                           "linear_kernels": [asdict(c) for c in model.kernel_choices],
                            "prefill": [], "decode": []}
     for n in sizes.prefill:
         t = bench_prefill(eng, runner, n, repeats)

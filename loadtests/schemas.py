@@ -202,9 +202,14 @@ _PROFILE: dict[str, Any] = {
 _ENGINE_RUN: dict[str, Any] = {
     "type": "object",
     "description": "one dtype: the engine's prefill and decode, transformers on the same weights, a profile",
-    "required": ["dtype", "weight_bytes", "kv_bytes_per_token", "prefill", "decode"],
+    "required": ["dtype", "weight_bytes", "kv_bytes_per_token", "linear_kernels", "prefill", "decode"],
     "properties": {
         "dtype": {"type": "string"},
+        "linear_kernels": {"type": "array", "description": "the oneDNN weight format each class of linears got "
+                           "at load (engine.kernel_choice), with the timings behind it", "items": {
+            "type": "object", "required": ["name", "out_features", "in_features", "count", "format", "ms_per_pass"],
+            "properties": {"name": {"type": "string"}, "format": {"enum": ["packed", "plain"]},
+                           "ms_per_pass": {"type": "object", "description": "format → rows → ms per pass"}}}},
         "weight_bytes": {"type": "integer", "minimum": 1, "description": "bytes one forward streams"},
         "kv_bytes_per_token": {"type": "integer", "minimum": 1},
         "prefill": {"type": "array", "items": {

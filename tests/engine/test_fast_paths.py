@@ -34,9 +34,11 @@ def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
                      num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
 
 
-def runner(path: Path, dtype: torch.dtype, fast: bool, quantization: str | None = None) -> ModelRunner:
+def runner(path: Path, dtype: torch.dtype, fast: bool, quantization: str | None = None,
+           kernels: str = "auto") -> ModelRunner:
     cfg = ModelConfig.from_dir(path)
-    model = LlamaModel(cfg, load_weights(path, cfg, dtype), 256, fast=fast, quantization=quantization)
+    model = LlamaModel(cfg, load_weights(path, cfg, dtype), 256, fast=fast, quantization=quantization,
+                       linear_kernels=kernels)
     return ModelRunner(model, KVCache.allocate(cfg, 64, BLOCK, dtype))
 
 
@@ -64,20 +66,22 @@ def scenario(r: ModelRunner) -> list[torch.Tensor]:
     return out
 
 
-def test_fast_fp32_matches_reference(tiny_dir: Path) -> None:
+@pytest.mark.parametrize("kernels", ["packed", "plain", "auto"])
+def test_fast_fp32_matches_reference(tiny_dir: Path, kernels: str) -> None:
     ref = scenario(runner(tiny_dir, torch.float32, fast=False))
-    fast = scenario(runner(tiny_dir, torch.float32, fast=True))
+    fast = scenario(runner(tiny_dir, torch.float32, fast=True, kernels=kernels))
     for a, b in zip(fast, ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("kernels", ["packed", "plain"])
 @pytest.mark.parametrize("small_rows", [attention.SMALL_DECODE_ROWS, 0])  # 0: bf16 decode via bmm, not SDPA
-def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path, small_rows: int,
+def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path, small_rows: int, kernels: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention, "SMALL_DECODE_ROWS", small_rows)
     exact = scenario(runner(tiny_dir, torch.float32, fast=False))
     ref = scenario(runner(tiny_dir, torch.bfloat16, fast=False))
-    fast = scenario(runner(tiny_dir, torch.bfloat16, fast=True))
+    fast = scenario(runner(tiny_dir, torch.bfloat16, fast=True, kernels=kernels))
     ref_err = max((a - e).abs().max().item() for a, e in zip(ref, exact, strict=True))
     fast_err = max((a - e).abs().max().item() for a, e in zip(fast, exact, strict=True))
     assert fast_err <= 2 * ref_err + 1e-3, (fast_err, ref_err)
@@ -129,14 +133,16 @@ def test_workspace_reuse_across_batch_sizes_keeps_zeros() -> None:
     assert off.abs().sum() == 0
 
 
+@pytest.mark.parametrize("fmt", PackedLinear.FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_linear_matches_f_linear(dtype: torch.dtype) -> None:
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, fmt: str) -> None:
+    """Both weight formats, every row regime (BLAS one row, oneDNN exact rows, oneDNN tiles)."""
     if not onednn_packing_available(dtype):
         pytest.skip("no oneDNN weight packing in this torch build")
     g = torch.Generator().manual_seed(0)
     w, bias = torch.randn(48, 32, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
-    lin = make_linear(w, bias)
-    assert isinstance(lin, PackedLinear)
+    lin = make_linear(w, bias, fmt=fmt)
+    assert isinstance(lin, PackedLinear) and lin.format == fmt
     assert lin.nbytes == Linear(w, bias).nbytes
     tol = 1e-5 if dtype == torch.float32 else 5e-2
     for rows in (1, 5, 64, 65, 200, 512, 513, 1100):  # above 64: tiles of 512, the last one padded
@@ -146,11 +152,12 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype) -> None:
         torch.testing.assert_close(lin(x, residual=res).float(), want + res.float(), atol=tol, rtol=tol)
 
 
-def test_packed_linear_sees_a_fixed_set_of_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fmt", PackedLinear.FORMATS)
+def test_packed_linear_sees_a_fixed_set_of_row_counts(monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
     """oneDNN caches a primitive per row count: every prompt length must map into one fixed set."""
     if not onednn_packing_available(torch.float32):
         pytest.skip("no oneDNN weight packing in this torch build")
-    lin = make_linear(torch.randn(16, 8))
+    lin = make_linear(torch.randn(16, 8), fmt=fmt)
     assert isinstance(lin, PackedLinear)
     seen: set[int] = set()
     mm = lin._mm
@@ -162,7 +169,8 @@ def test_packed_linear_sees_a_fixed_set_of_row_counts(monkeypatch: pytest.Monkey
     monkeypatch.setattr(lin, "_mm", spy)
     for rows in range(1, 1601):
         assert lin(torch.zeros(rows, 8)).shape == (rows, 16)
-    assert seen == set(range(1, 65)) | set(range(128, 513, 64))
+    first = 2 if fmt == "plain" else 1  # the plain format runs one row through BLAS, not oneDNN
+    assert seen == set(range(first, 65)) | set(range(128, 513, 64))
 
 
 def test_decode_refuses_short_block_table(tiny_dir: Path) -> None:

@@ -1,0 +1,82 @@
+"""`engine.kernel_choice`: pinned formats are obeyed, ``auto`` times both and keeps one, and the
+engine's config reaches the model (``linear_kernels`` and ``quantization``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.kernel_choice import build_linears, time_formats
+from engine.quant import Int8Linear, Linear, PackedLinear, onednn_packing_available
+from tests.tiny_models import make_tiny
+
+needs_onednn = pytest.mark.skipif(not onednn_packing_available(torch.float32), reason="no oneDNN weight packing")
+
+
+def weights(n: int = 3, out: int = 40, inp: int = 24) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(out, inp, generator=g) for _ in range(n)], [None] * n
+
+
+@needs_onednn
+@pytest.mark.parametrize("mode", ["packed", "plain"])
+def test_pinned_format_is_obeyed_and_not_timed(mode: str) -> None:
+    ws, bs = weights()
+    kernels, choice = build_linears("down", ws, bs, mode=mode)
+    assert choice is not None and choice.format == mode and choice.ms_per_pass == {}
+    assert (choice.out_features, choice.in_features, choice.count) == (40, 24, 3)
+    assert all(isinstance(k, PackedLinear) and k.format == mode for k in kernels)
+
+
+@needs_onednn
+def test_auto_times_both_formats_and_keeps_the_one_it_reports() -> None:
+    ws, bs = weights()
+    kernels, choice = build_linears("qkv", ws, bs, mode="auto")
+    assert choice is not None and choice.format in PackedLinear.FORMATS
+    assert set(choice.ms_per_pass) == set(PackedLinear.FORMATS)
+    assert all(set(by_rows) == {1, 8} and min(by_rows.values()) > 0 for by_rows in choice.ms_per_pass.values())
+    assert all(isinstance(k, PackedLinear) and k.format == choice.format for k in kernels)
+    x = torch.randn(1, 24)
+    for k, w in zip(kernels, ws, strict=True):  # each kernel computes its own weight, in order
+        torch.testing.assert_close(k(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert choice.format in choice.summary() and "qkv" in choice.summary()
+
+
+@needs_onednn
+def test_time_formats_measures_each_row_count() -> None:
+    ws, bs = weights(n=2)
+    built, ms = time_formats(ws, bs, rows=(1, 3, 5), repeats=2)
+    assert {f: len(k) for f, k in built.items()} == {"packed": 2, "plain": 2}
+    assert all(sorted(by_rows) == [1, 3, 5] for by_rows in ms.values())
+
+
+def test_reference_path_and_int8_are_not_timed() -> None:
+    ws, bs = weights()
+    ref, choice = build_linears("o_proj", ws, bs, fast=False)
+    assert choice is None and all(type(k) is Linear for k in ref)
+    q8, choice = build_linears("o_proj", ws, bs, quantization="int8")
+    assert choice is None and all(isinstance(k, Int8Linear) for k in q8)
+
+
+def test_unknown_mode_is_refused() -> None:
+    ws, bs = weights()
+    with pytest.raises(ValueError, match="linear_kernels"):
+        build_linears("qkv", ws, bs, mode="fastest")
+    with pytest.raises(ValueError, match="linear_kernels"):
+        EngineConfig(linear_kernels="fastest")
+
+
+@needs_onednn
+def test_engine_config_reaches_the_model(tmp_path: Path) -> None:
+    path = make_tiny("llama", tmp_path / "m", seed=3)
+    eng = Engine.from_dir(path, EngineConfig(num_blocks=16, linear_kernels="plain"))
+    choices = eng.runner.model.kernel_choices
+    assert [c.name for c in choices] == ["qkv", "o_proj", "gate_up", "down", "lm_head"]
+    assert {c.format for c in choices} == {"plain"}
+    q8 = Engine.from_dir(path, EngineConfig(num_blocks=16, dtype="bfloat16", quantization="int8"))
+    assert q8.runner.model.quantization == "int8" and isinstance(q8.runner.model.lm_head, Int8Linear)
