@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from engine.errors import ModelLoadError
+from engine.kernel_choice import LINEAR_KERNELS
 
 #: Hugging Face ``architectures`` entries we can run, mapped to our family name.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -193,8 +194,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.quantization not in (None, "int8"):
             raise ValueError(f"unknown quantization {self.quantization!r}; expected None or 'int8'")
-        if self.linear_kernels not in ("auto", "packed", "plain"):
-            raise ValueError(f"unknown linear_kernels {self.linear_kernels!r}; expected 'auto', 'packed' or 'plain'")
+        if self.linear_kernels not in LINEAR_KERNELS:
+            raise ValueError(f"unknown linear_kernels {self.linear_kernels!r}; expected one of {LINEAR_KERNELS}")
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:

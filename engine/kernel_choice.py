@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.quant import Linear, PackedLinear, make_linear, onednn_packing_available
+from engine.quant import Linear, PackedLinear, make_linear, onednn_applies
 
 LINEAR_KERNELS = ("auto", "packed", "plain")
 
@@ -103,14 +103,7 @@ def build_linears(
     if mode not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear_kernels {mode!r}; expected one of {LINEAR_KERNELS}")
     w0 = weights[0]
-    onednn = (
-        fast
-        and quantization is None
-        and w0.device.type == "cpu"
-        and w0.dtype in (torch.float32, torch.bfloat16)
-        and onednn_packing_available(w0.dtype)
-    )
-    if not onednn:
+    if quantization is not None or not onednn_applies(w0, fast):
         pairs = zip(weights, biases, strict=True)
         return [make_linear(w, b, fast=fast, quantization=quantization) for w, b in pairs], None
     out_f, in_f = w0.shape

@@ -197,6 +197,16 @@ class Int8Linear(Linear):
         return y if residual is None else residual + y
 
 
+def onednn_applies(weight: torch.Tensor, fast: bool = True) -> bool:
+    """Whether a dense ``weight`` gets a `PackedLinear` (fast path, CPU, fp32/bf16, oneDNN present)."""
+    return (
+        fast
+        and weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and onednn_packing_available(weight.dtype)
+    )
+
+
 def make_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -210,11 +220,6 @@ def make_linear(
         if quantization != "int8":
             raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATION_MODES}")
         return Int8Linear(weight, bias)
-    if (
-        fast
-        and weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and onednn_packing_available(weight.dtype)
-    ):
+    if onednn_applies(weight, fast):
         return PackedLinear(weight, bias, fmt=fmt)
     return Linear(weight, bias)
