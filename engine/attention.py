@@ -2,8 +2,9 @@
 
 Owns: writing new K/V rows into cache slots and computing attention against a sequence's cached
 rows. Two decode paths: the reference (`decode_attention`: gather every context slot, SDPA with a
-bool mask) and the fast one (`paged_decode_attention`: copy whole blocks, then batched matmuls with
-softmax in fp32: per KV head in fp32, GQA folded into a block-diagonal query in bf16). Prefill
+bool mask) and the fast one (`paged_decode_attention`: copy whole blocks, then in fp32 whichever of
+`DECODE_METHODS` this machine runs fastest, in bf16 batched matmuls with GQA folded into a
+block-diagonal query, softmax in fp32). Prefill
 uses SDPA (``is_causal`` when a chunk starts at position 0).
 
 Invariants: a *slot* is ``block_id * block_size + row``; a query at absolute position ``p`` sees
@@ -134,6 +135,10 @@ class Workspace:
 
 #: bf16 decode steps with at most this many (sequence, position) rows are cast to fp32 and take its paths.
 SMALL_DECODE_ROWS = 512
+#: The formulations of batched (B > 1) fp32 decode attention; which is fastest differs between CPUs
+#: (`engine.attention_choice` times them at load): at 32 x 1,040 positions a layer took per_head
+#: 2.9 ms vs sdpa 5.5 on a 2-core Xeon, but sdpa 6.8, block_diagonal 8.1, per_head 11.6 on a 2-core EPYC.
+DECODE_METHODS = ("sdpa", "per_head", "block_diagonal")
 
 
 @dataclass
@@ -153,6 +158,7 @@ def paged_decode_attention(
     meta: PagedDecodeMeta,
     ws: Workspace,
     scale: float,
+    method: str = "per_head",
 ) -> torch.Tensor:
     """One new query token per sequence, read from the paged cache block by block.
 
@@ -166,13 +172,12 @@ def paged_decode_attention(
     each head keeps its own KV head's slice. That is KV times the minimal FLOPs, cheap next to
     reading K and V: on CPU it beats SDPA (slow for one query, in bf16 most) and per-head loops
     over strided views in bf16 (15.6 vs 7.9 ms a layer at 32 x 1,040 on a 2-core Xeon). In fp32
-    the per-KV-head loop (`_per_head_decode_attention`) is the faster one, and batch 1 needs no
-    loop (`_single_decode_attention`); small bf16 steps (``B * L <= SMALL_DECODE_ROWS``) take the
-    fp32 paths after a cast.
+    the fastest of `DECODE_METHODS` depends on the CPU: ``method`` picks one (`batched_decode_attention`);
+    batch 1 needs no choice (`_single_decode_attention`); small bf16 steps
+    (``B * L <= SMALL_DECODE_ROWS``) take the fp32 paths after a cast.
     """
-    b, h, d = q.shape
+    b, _, d = q.shape
     _, bs, kvh, _ = k_cache.shape
-    g = h // kvh
     length = meta.n_blocks * bs
     dev, dt = q.device, k_cache.dtype
     kb = ws.buffer("k", (b * meta.n_blocks, bs, kvh, d), dt, dev)
@@ -182,21 +187,53 @@ def paged_decode_attention(
     if b == 1:
         return _single_decode_attention(q, kb, vb, meta.bias, scale)
     if dt == torch.float32 or b * length <= SMALL_DECODE_ROWS:
-        # fp32: per-KV-head bmm over strided views (minimal FLOPs, no copy); small bf16 steps are
-        # faster converted to fp32 than through bf16 bmm's fixed costs.
+        # Small bf16 steps are faster converted to fp32 than through bf16 bmm's fixed costs.
         if dt != torch.float32:
             kb = ws.buffer("k32", tuple(kb.shape), torch.float32, dev).copy_(kb)
             vb = ws.buffer("v32", tuple(vb.shape), torch.float32, dev).copy_(vb)
-        return _per_head_decode_attention(q, kb.view(b, length, kvh, d), vb.view(b, length, kvh, d), meta.bias,
-                                          scale)
-    qblk = ws.zeros("qblk", (b, kvh, g, kvh, d), dt, dev)  # only the kv == kv' diagonal is ever written
+        return batched_decode_attention(q, kb.view(b, length, kvh, d), vb.view(b, length, kvh, d), meta.bias,
+                                        scale, method, ws)
+    return _block_diagonal_decode_attention(q, kb.view(b, length, kvh, d), vb.view(b, length, kvh, d), meta.bias,
+                                            scale, ws)
+
+
+def batched_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, method: str,
+    ws: Workspace,
+) -> torch.Tensor:
+    """Gathered fp32 K/V ``[B, L, KV, D]``, q [B, H, D], bias [B, 1, L] → [B, H * D] in q's dtype.
+
+    ``method`` is one of `DECODE_METHODS`; all compute the same attention up to float reassociation.
+    """
+    if method == "per_head":
+        return _per_head_decode_attention(q, k, v, bias, scale)
+    if method == "block_diagonal":
+        return _block_diagonal_decode_attention(q.to(k.dtype), k, v, bias, scale, ws).to(q.dtype)
+    if method == "sdpa":
+        b, h, d = q.shape
+        out = F.scaled_dot_product_attention(  # q [B, H, 1, D] against k/v [B, KV, L, D] (strided views)
+            q.to(k.dtype).unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias.unsqueeze(1),
+            scale=scale, enable_gqa=True,
+        )
+        return out.reshape(b, h * d).to(q.dtype)
+    raise ValueError(f"unknown decode attention method {method!r}; expected one of {DECODE_METHODS}")
+
+
+def _block_diagonal_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, ws: Workspace
+) -> torch.Tensor:
+    """K/V ``[B, L, KV, D]`` (contiguous) and q [B, H, D] in one dtype, bias [B, 1, L] → [B, H * D]."""
+    b, h, d = q.shape
+    length, kvh = k.shape[1], k.shape[2]
+    g, dt = h // kvh, k.dtype
+    qblk = ws.zeros("qblk", (b, kvh, g, kvh, d), dt, q.device)  # only the kv == kv' diagonal is ever written
     qblk.diagonal(dim1=1, dim2=3).copy_(q.view(b, kvh, g, d).permute(0, 2, 3, 1))  # [B, G, D, KV]
-    s = torch.bmm(qblk.view(b, h, kvh * d), kb.view(b, length, kvh * d).transpose(1, 2))  # [B, H, L]
-    s = torch.add(meta.bias, s, alpha=scale)  # [B, H, L] fp32, padding at -inf
+    s = torch.bmm(qblk.view(b, h, kvh * d), k.reshape(b, length, kvh * d).transpose(1, 2))  # [B, H, L]
+    s = torch.add(bias, s, alpha=scale)  # [B, H, L] fp32, padding at -inf
     p = torch.softmax(s, dim=-1)
     if p.dtype != dt:
         p = p.to(dt)
-    o = torch.bmm(p, vb.view(b, length, kvh * d))  # [B, H, KV * D]
+    o = torch.bmm(p, v.reshape(b, length, kvh * d))  # [B, H, KV * D]
     o = o.view(b, kvh, g, kvh, d).diagonal(dim1=1, dim2=3)  # [B, G, D, KV]: each head's own KV head
     return o.permute(0, 3, 1, 2).reshape(b, h * d)  # [B, H * D], h = kv * G + g
 

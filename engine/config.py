@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engine.attention_choice import DECODE_ATTENTION
 from engine.errors import ModelLoadError
 from engine.kernel_choice import LINEAR_KERNELS
 
@@ -189,6 +190,7 @@ class EngineConfig:
     quantization: str | None = None  # None, or "int8": weight-only int8 linear layers (`engine.quant`)
     fast_kernels: bool = True  # False: the plain reference forward (F.linear, slot gathers), for tests
     linear_kernels: str = "auto"  # oneDNN weight format: "auto" (timed at load), "packed" or "plain"
+    decode_attention: str = "auto"  # batched fp32 decode attention: "auto" (timed at load) or a DECODE_METHODS name
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -196,6 +198,10 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.quantization!r}; expected None or 'int8'")
         if self.linear_kernels not in LINEAR_KERNELS:
             raise ValueError(f"unknown linear_kernels {self.linear_kernels!r}; expected one of {LINEAR_KERNELS}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(
+                f"unknown decode_attention {self.decode_attention!r}; expected one of {DECODE_ATTENTION}"
+            )
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:

@@ -76,6 +76,8 @@ class Engine:
         if model.kernel_choices:
             summary = "; ".join(c.summary() for c in model.kernel_choices)
             log.info("linear kernels (%s): %s", config.linear_kernels, summary)
+        if model.attention_choice is not None:
+            log.info("decode attention (%s): %s", config.decode_attention, model.attention_choice.summary())
         cache = KVCache.allocate(
             mcfg, config.num_blocks, config.block_size, config.torch_dtype, config.device
         )

@@ -6,7 +6,7 @@ in two variants chosen at construction:
 - ``fast=True`` (default): oneDNN-prepacked weights (or int8, `engine.quant`) with the RMSNorm gains
   folded into the next linear's weight and the residual add fused into o_proj/down, RoPE for q and k
   in one pass from per-dtype tables gathered once per step, and `attention.paged_decode_attention`
-  over whole cache blocks;
+  over whole cache blocks (in fp32, the formulation `engine.attention_choice` timed fastest here);
 - ``fast=False``: the plain reference (``F.linear``, transformers' op order, slot-by-slot gathers,
   SDPA with a bool mask), kept to test the fast path against.
 Batch preparation (positions, slots, block tables, masks) is the caller's (`engine.runner`); this
@@ -34,6 +34,7 @@ from engine.attention import (
     prefill_attention,
     write_kv,
 )
+from engine.attention_choice import AttentionChoice, choose_decode_attention
 from engine.config import EngineConfig, ModelConfig
 from engine.kernel_choice import KernelChoice, build_linears
 from engine.kv_cache import KVCache
@@ -94,6 +95,8 @@ class LlamaModel:
     ``quantize_lm_head=False``) as weight-only int8; it implies the fast path. ``linear_kernels``
     picks the oneDNN weight format of the dense fast path (`engine.kernel_choice`): ``"auto"``
     times both per class of layers; ``kernel_choices`` records what each class got.
+    ``decode_attention`` picks the fast path's batched fp32 decode attention the same way
+    (`engine.attention_choice`), recorded in ``attention_choice`` (None on the reference path).
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class LlamaModel:
         quantization: str | None = None,
         quantize_lm_head: bool = True,
         linear_kernels: str = "auto",
+        decode_attention: str = "auto",
     ) -> None:
         self.cfg = cfg
         self.fast = fast or quantization is not None
@@ -121,6 +125,11 @@ class LlamaModel:
         self._sin_signed = torch.cat([-self.rope.sin[:, :half], self.rope.sin[:, half:]], -1).to(self.dtype)
         self.scale = cfg.head_dim**-0.5
         self.ws = Workspace()
+        self.attention_choice: AttentionChoice | None = (
+            choose_decode_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, decode_attention, self.device)
+            if self.fast else None
+        )
+        self._decode_method = self.attention_choice.method if self.attention_choice else "per_head"
 
         def fold(w: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
             if self.fast and norm is not None:
@@ -269,12 +278,13 @@ class LlamaModel:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[PagedDecodeMeta]
     ) -> torch.Tensor:
         """q: [B, H, D] with the groups' rows consecutive → [B, H * D]."""
+        method = self._decode_method
         if len(groups) == 1:
-            return paged_decode_attention(q, k_cache, v_cache, groups[0], self.ws, self.scale)
+            return paged_decode_attention(q, k_cache, v_cache, groups[0], self.ws, self.scale, method)
         outs, start = [], 0
         for meta in groups:
             outs.append(paged_decode_attention(q[start : start + meta.batch], k_cache, v_cache, meta, self.ws,
-                                               self.scale))
+                                               self.scale, method))
             start += meta.batch
         return torch.cat(outs)
 
@@ -297,6 +307,7 @@ class LlamaModel:
 
 
 def build_model(cfg: ModelConfig, weights: ModelWeights, max_positions: int, config: EngineConfig) -> LlamaModel:
-    """The model `EngineConfig` asks for: ``fast_kernels``, ``quantization`` and ``linear_kernels``."""
+    """The model `EngineConfig` asks for: ``fast_kernels``, ``quantization``, ``linear_kernels`` and
+    ``decode_attention``."""
     return LlamaModel(cfg, weights, max_positions, fast=config.fast_kernels, quantization=config.quantization,
-                      linear_kernels=config.linear_kernels)
+                      linear_kernels=config.linear_kernels, decode_attention=config.decode_attention)

@@ -177,6 +177,7 @@ def run_dtype(eng: Engine, limits: dict[str, float], sizes: Sizes, repeats: int,
     bw = limits[f"matvec_{dt}_gbs"] * 1e9
     out: dict[str, Any] = {"dtype": eng.config.dtype, "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
                            "linear_kernels": [asdict(c) for c in model.kernel_choices],
+                           "decode_attention": asdict(model.attention_choice) if model.attention_choice else None,
                            "prefill": [], "decode": []}
     for n in sizes.prefill:
         t = bench_prefill(eng, runner, n, repeats)

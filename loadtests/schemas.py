@@ -202,7 +202,8 @@ _PROFILE: dict[str, Any] = {
 _ENGINE_RUN: dict[str, Any] = {
     "type": "object",
     "description": "one dtype: the engine's prefill and decode, transformers on the same weights, a profile",
-    "required": ["dtype", "weight_bytes", "kv_bytes_per_token", "linear_kernels", "prefill", "decode"],
+    "required": ["dtype", "weight_bytes", "kv_bytes_per_token", "linear_kernels", "decode_attention", "prefill",
+                 "decode"],
     "properties": {
         "dtype": {"type": "string"},
         "linear_kernels": {"type": "array", "description": "the oneDNN weight format each class of linears got "
@@ -210,6 +211,10 @@ _ENGINE_RUN: dict[str, Any] = {
             "type": "object", "required": ["name", "out_features", "in_features", "count", "format", "ms_per_pass"],
             "properties": {"name": {"type": "string"}, "format": {"enum": ["packed", "plain"]},
                            "ms_per_pass": {"type": "object", "description": "format → rows → ms per pass"}}}},
+        "decode_attention": {"type": "object", "description": "the batched fp32 decode attention method timed at "
+                             "load (engine.attention_choice)", "required": ["method", "ms"], "properties": {
+            "method": {"enum": ["sdpa", "per_head", "block_diagonal"]},
+            "ms": {"type": "object", "description": "method → 'BxL' → best ms of one call"}}},
         "weight_bytes": {"type": "integer", "minimum": 1, "description": "bytes one forward streams"},
         "kv_bytes_per_token": {"type": "integer", "minimum": 1},
         "prefill": {"type": "array", "items": {

@@ -35,10 +35,10 @@ def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 def runner(path: Path, dtype: torch.dtype, fast: bool, quantization: str | None = None,
-           kernels: str = "auto") -> ModelRunner:
+           kernels: str = "auto", decode_attention: str = "auto") -> ModelRunner:
     cfg = ModelConfig.from_dir(path)
     model = LlamaModel(cfg, load_weights(path, cfg, dtype), 256, fast=fast, quantization=quantization,
-                       linear_kernels=kernels)
+                       linear_kernels=kernels, decode_attention=decode_attention)
     return ModelRunner(model, KVCache.allocate(cfg, 64, BLOCK, dtype))
 
 
@@ -74,6 +74,15 @@ def test_fast_fp32_matches_reference(tiny_dir: Path, kernels: str) -> None:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("method", attention.DECODE_METHODS)
+def test_fast_fp32_decode_attention_methods_match_reference(tiny_dir: Path, method: str) -> None:
+    """Each batched decode attention formulation, through the whole model (3 sequences per step)."""
+    ref = scenario(runner(tiny_dir, torch.float32, fast=False))
+    fast = scenario(runner(tiny_dir, torch.float32, fast=True, kernels="packed", decode_attention=method))
+    for a, b in zip(fast, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("kernels", ["packed", "plain"])
 @pytest.mark.parametrize("small_rows", [attention.SMALL_DECODE_ROWS, 0])  # 0: bf16 decode via bmm, not SDPA
 def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path, small_rows: int, kernels: str,
@@ -87,12 +96,13 @@ def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path, small_rows:
     assert fast_err <= 2 * ref_err + 1e-3, (fast_err, ref_err)
 
 
+@pytest.mark.parametrize("method", attention.DECODE_METHODS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# bf16: the first three are small steps (SDPA in fp32), the last one the block-diagonal bmm path.
+# bf16: the first three are small steps (fp32 after a cast), the last one the block-diagonal bf16 bmm path.
 @pytest.mark.parametrize(("kv_heads", "group", "lengths"),
                          [(1, 1, [1]), (2, 3, [1, 9, 16, 40]), (3, 3, [300]), (2, 3, [100, 700, 5])])
 def test_paged_decode_attention_matches_reference(dtype: torch.dtype, kv_heads: int, group: int,
-                                                   lengths: list[int]) -> None:
+                                                   lengths: list[int], method: str) -> None:
     g = torch.Generator().manual_seed(len(lengths) * 7 + kv_heads)
     d, bs, nb = 16, 16, 64
     kc = torch.randn(nb, bs, kv_heads, d, generator=g).to(dtype)
@@ -113,7 +123,8 @@ def test_paged_decode_attention_matches_reference(dtype: torch.dtype, kv_heads: 
     bias = torch.zeros(b, 1, n_blocks * bs).masked_fill_((cols[None] > pos[:, None]).unsqueeze(1), float("-inf"))
     ws = Workspace()
     for _ in range(2):  # a second call reuses the workspace buffers
-        got = paged_decode_attention(q, kc, vc, PagedDecodeMeta(table.reshape(-1), bias, b, n_blocks), ws, d**-0.5)
+        got = paged_decode_attention(q, kc, vc, PagedDecodeMeta(table.reshape(-1), bias, b, n_blocks), ws, d**-0.5,
+                                     method)
     ctx = torch.arange(int(pos.max()) + 1)
     slot_table = table[:, ctx // bs] * bs + ctx % bs
     want = decode_attention(q.float(), kc.float(), vc.float(), slot_table, ctx[None] <= pos[:, None], d**-0.5)
