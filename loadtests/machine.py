@@ -38,12 +38,28 @@ def read_bandwidth_gbs(nbytes: int = 512 * 2**20) -> float:
     return nbytes / t / 1e9
 
 
+class MatvecProbe:
+    """A large matrix-vector product (the decode shape) kept allocated, so that a benchmark can time
+    it between its own steps: the bandwidth a ratio divides by is then measured under the same load
+    as the steps, not minutes before (the hosts are shared and their bandwidth drifts)."""
+
+    def __init__(self, dtype: torch.dtype, rows: int = 16384, cols: int = 8192) -> None:
+        self.w = torch.randn(rows, cols, dtype=torch.float32).to(dtype)  # [rows, cols], far above any cache
+        self.v = torch.randn(1, cols, dtype=torch.float32).to(dtype)  # [1, cols]
+        self.nbytes = self.w.numel() * self.w.element_size()
+
+    def __call__(self) -> float:
+        """Seconds of one product."""
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(self.v, self.w)
+        return time.perf_counter() - t0
+
+
 def matvec_bandwidth_gbs(dtype: torch.dtype, rows: int = 16384, cols: int = 8192) -> float:
     """Bytes of a large weight matrix read per second by a matrix-vector product (the decode shape)."""
-    w = torch.randn(rows, cols, dtype=torch.float32).to(dtype)
-    v = torch.randn(1, cols, dtype=torch.float32).to(dtype)
-    t = median_time(lambda: torch.nn.functional.linear(v, w))
-    return w.numel() * w.element_size() / t / 1e9
+    probe = MatvecProbe(dtype, rows, cols)
+    t = median_time(probe)
+    return probe.nbytes / t / 1e9
 
 
 def machine_info() -> dict[str, object]:

@@ -228,7 +228,11 @@ _ENGINE_RUN: dict[str, Any] = {
                          "vs_weight_floor_best_bw", "weight_kv_floor_ms"],
             "properties": {"batch": {"type": "integer"}, "context": {"type": "integer"}, "step_ms": _num(),
                            "tokens_per_s": _num(), "weight_floor_ms": _num(), "vs_weight_floor": _num(),
-                           "vs_weight_floor_best_bw": _num(), "weight_kv_floor_ms": _num()}}},
+                           "vs_weight_floor_best_bw": _num(), "weight_kv_floor_ms": _num(),
+                           "matvec_gbs_interleaved": {**_num(), "description": "the matvec probe timed "
+                                                      "between this config's steps (loadtests.machine.MatvecProbe)"},
+                           "vs_weight_floor_interleaved": {**_num(), "description": "step ÷ (weight bytes ÷ "
+                                                           "matvec_gbs_interleaved): the decode target's ratio"}}}},
         "transformers": {"type": "object", "required": ["prefill_s", "decode_step_s"], "properties": {
             "prefill_s": {"type": "object", "additionalProperties": _num(), "description": "tokens → seconds"},
             "decode_step_s": {"type": "object", "additionalProperties": _num(),
