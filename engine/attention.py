@@ -135,10 +135,13 @@ class Workspace:
 
 #: bf16 decode steps with at most this many (sequence, position) rows are cast to fp32 and take its paths.
 SMALL_DECODE_ROWS = 512
-#: The formulations of batched (B > 1) fp32 decode attention; which is fastest differs between CPUs
-#: (`engine.attention_choice` times them at load): at 32 x 1,040 positions a layer took per_head
-#: 2.9 ms vs sdpa 5.5 on a 2-core Xeon, but sdpa 6.8, block_diagonal 8.1, per_head 11.6 on a 2-core EPYC.
-DECODE_METHODS = ("sdpa", "per_head", "block_diagonal")
+#: The formulations of batched (B > 1) fp32 decode attention over the gathered blocks, plus
+#: ``"compiled"`` (`engine.compiled_attention`: no gather, every batch size and dtype); which is
+#: fastest differs between CPUs (`engine.attention_choice` times them at load): at 32 x 1,040
+#: positions a layer's attention alone took per_head 2.9 ms vs sdpa 5.5 on a 2-core Xeon, but sdpa
+#: 6.8, block_diagonal 8.1, per_head 11.6 on a 2-core EPYC.
+GATHERED_METHODS = ("sdpa", "per_head", "block_diagonal")
+DECODE_METHODS = (*GATHERED_METHODS, "compiled")
 
 
 @dataclass
@@ -172,14 +175,20 @@ def paged_decode_attention(
     each head keeps its own KV head's slice. That is KV times the minimal FLOPs, cheap next to
     reading K and V: on CPU it beats SDPA (slow for one query, in bf16 most) and per-head loops
     over strided views in bf16 (15.6 vs 7.9 ms a layer at 32 x 1,040 on a 2-core Xeon). In fp32
-    the fastest of `DECODE_METHODS` depends on the CPU: ``method`` picks one (`batched_decode_attention`);
+    the fastest of `GATHERED_METHODS` depends on the CPU: ``method`` picks one (`batched_decode_attention`);
     batch 1 needs no choice (`_single_decode_attention`); small bf16 steps
-    (``B * L <= SMALL_DECODE_ROWS``) take the fp32 paths after a cast.
+    (``B * L <= SMALL_DECODE_ROWS``) take the fp32 paths after a cast. ``method="compiled"`` skips all
+    of this: `engine.compiled_attention` reads the blocks in place, for every batch size and dtype.
     """
     b, _, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     length = meta.n_blocks * bs
     dev, dt = q.device, k_cache.dtype
+    if method == "compiled":
+        from engine.compiled_attention import compiled_paged_attention  # imports inductor: only when used
+
+        return compiled_paged_attention(q, k_cache, v_cache, meta.block_ids.view(b, meta.n_blocks), meta.bias,
+                                        scale)
     kb = ws.buffer("k", (b * meta.n_blocks, bs, kvh, d), dt, dev)
     vb = ws.buffer("v", (b * meta.n_blocks, bs, kvh, d), dt, dev)
     torch.index_select(k_cache, 0, meta.block_ids, out=kb)
@@ -203,7 +212,7 @@ def batched_decode_attention(
 ) -> torch.Tensor:
     """Gathered fp32 K/V ``[B, L, KV, D]``, q [B, H, D], bias [B, 1, L] → [B, H * D] in q's dtype.
 
-    ``method`` is one of `DECODE_METHODS`; all compute the same attention up to float reassociation.
+    ``method`` is one of `GATHERED_METHODS`; all compute the same attention up to float reassociation.
     """
     if method == "per_head":
         return _per_head_decode_attention(q, k, v, bias, scale)
@@ -216,7 +225,7 @@ def batched_decode_attention(
             scale=scale, enable_gqa=True,
         )
         return out.reshape(b, h * d).to(q.dtype)
-    raise ValueError(f"unknown decode attention method {method!r}; expected one of {DECODE_METHODS}")
+    raise ValueError(f"unknown decode attention method {method!r}; expected one of {GATHERED_METHODS}")
 
 
 def _block_diagonal_decode_attention(

@@ -1,38 +1,48 @@
-"""Which formulation of batched fp32 decode attention this machine runs fastest, measured at load.
+"""Which decode attention method this machine runs fastest, measured at load.
 
-Owns: the choice among `attention.DECODE_METHODS` for decode steps of more than one sequence in
-fp32 (and the small bf16 steps, which run in fp32), and the timings behind it. Why measure: the
-fastest formulation differs between CPUs of the same kind of machine. At 32 sequences x 1,040
-positions (SmolLM2's 9 heads over 3 KV heads) a layer took, on a 2-core Xeon, per_head 2.9 ms vs
-sdpa 5.5; on a 2-core AVX-512 EPYC, sdpa 6.8, block_diagonal 8.1, per_head 11.6 (torch 2.13).
+Owns: the choice among `attention.DECODE_METHODS` for the fast path's decode steps, and the
+timings behind it. The gathered methods (sdpa / per_head / block_diagonal) differ in how batched
+fp32 steps (and small bf16 steps, which run in fp32) multiply the gathered blocks; ``"compiled"``
+(`engine.compiled_attention`) reads the blocks in place for every step. Why measure: the fastest
+differs between CPUs of the same kind of machine. At 32 sequences x 1,040 positions (SmolLM2's 9
+heads over 3 KV heads) a layer's attention took, on a 2-core Xeon, per_head 2.9 ms vs sdpa 5.5; on
+a 2-core AVX-512 EPYC, sdpa 6.8, block_diagonal 8.1, per_head 11.6 (torch 2.13), gathers excluded.
 
-How: every method runs on the same synthetic fp32 K/V buffers of the model's head geometry at a
-short and a long step (`SIZES`, the batch halved until one buffer fits `MAX_BUFFER_BYTES`), methods
-interleaved, best of ``repeats``; the method with the lowest geometric mean over the sizes wins.
+How: `paged_decode_attention` itself (gather included) runs with every method on one synthetic
+paged cache of the model's head geometry and dtype at a short and a long step (`SIZES`, the batch
+halved until the context fits `MAX_BUFFER_BYTES`), methods interleaved, best of ``repeats``; the
+lowest geometric mean over the sizes wins. ``"compiled"`` is only a candidate when
+``allow_compiled`` and its first call (which compiles it) succeeds; a failure (no C++ compiler, an
+inductor error) is logged and leaves the eager methods.
 
 Invariants: every method computes the same attention up to float reassociation (tested against
 the reference `attention.decode_attention`), so the choice changes speed only; a pinned method is
-never timed; off-CPU devices are not timed here (no sync point in the loop) and get ``"sdpa"``.
+never timed (a pinned ``"compiled"`` is tried once and refused with the reason if it cannot run);
+off-CPU devices are not timed here (no sync point in the loop) and get ``"sdpa"``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import DECODE_METHODS, Workspace, batched_decode_attention
+from engine.attention import DECODE_METHODS, GATHERED_METHODS, PagedDecodeMeta, Workspace, paged_decode_attention
+
+log = logging.getLogger(__name__)
 
 DECODE_ATTENTION = ("auto", *DECODE_METHODS)
 SIZES = ((8, 272), (32, 1040))  # (sequences, positions) of the timed steps
 MAX_BUFFER_BYTES = 64 * 2**20
+BLOCK = 16
 
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    """The method batched fp32 decode steps use, and its timings (empty when pinned)."""
+    """The method decode steps use, and its timings (empty when pinned)."""
 
     method: str
     ms: dict[str, dict[str, float]] = field(default_factory=dict)  # method → "BxL" → best ms of one call
@@ -44,43 +54,90 @@ class AttentionChoice:
         return f"{self.method} (ms at {'/'.join(next(iter(self.ms.values())))}: {times})"
 
 
-def time_methods(num_heads: int, num_kv_heads: int, head_dim: int, repeats: int = 3
-                 ) -> dict[str, dict[str, float]]:
-    """Best-of-``repeats`` milliseconds of one attention call per method and size."""
+@dataclass
+class _Step:
+    """A synthetic decode step: a paged cache, scattered block tables, padded rows."""
+
+    q: torch.Tensor  # [B, H, D]
+    k_cache: torch.Tensor  # [num_blocks, BLOCK, KV, D]
+    v_cache: torch.Tensor
+    meta: PagedDecodeMeta
+
+    @classmethod
+    def make(cls, batch: int, length: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+             g: torch.Generator) -> _Step:
+        nb = -(-length // BLOCK)
+        n = batch * nb + 1
+        k = torch.randn(n, BLOCK, kv_heads, head_dim, generator=g).to(dtype)  # [num_blocks, BLOCK, KV, D]
+        v = torch.randn(n, BLOCK, kv_heads, head_dim, generator=g).to(dtype)
+        table = torch.randperm(n, generator=g)[: batch * nb]  # [B * nb]
+        bias = torch.zeros(batch, 1, nb * BLOCK)
+        bias[1:, :, nb * BLOCK // 2 :] = float("-inf")  # padded rows, as in a step of mixed lengths
+        q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+        return cls(q, k, v, PagedDecodeMeta(table, bias, batch, nb))
+
+    def run(self, method: str, ws: Workspace) -> float:
+        t0 = time.perf_counter()
+        paged_decode_attention(self.q, self.k_cache, self.v_cache, self.meta, ws, self.q.shape[-1] ** -0.5, method)
+        return (time.perf_counter() - t0) * 1e3
+
+
+def _steps(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[_Step]:
     g = torch.Generator().manual_seed(0)
-    ws = Workspace()
-    ms: dict[str, dict[str, float]] = {m: {} for m in DECODE_METHODS}
+    out = []
     for batch, length in SIZES:
-        while batch > 2 and batch * length * num_kv_heads * head_dim * 4 > MAX_BUFFER_BYTES:
+        while batch > 2 and batch * length * kv_heads * head_dim * dtype.itemsize > MAX_BUFFER_BYTES:
             batch //= 2
-        q = torch.randn(batch, num_heads, head_dim, generator=g)  # [B, H, D]
-        k = torch.randn(batch, length, num_kv_heads, head_dim, generator=g)  # [B, L, KV, D]
-        v = torch.randn(batch, length, num_kv_heads, head_dim, generator=g)
-        bias = torch.zeros(batch, 1, length)  # [B, 1, L]
-        bias[1:, :, length // 2 :] = float("-inf")  # padded rows, as in a step of mixed lengths
-        best = {m: float("inf") for m in DECODE_METHODS}
-        with torch.inference_mode():
-            for m in DECODE_METHODS:  # warm-up
-                batched_decode_attention(q, k, v, bias, head_dim**-0.5, m, ws)
+        out.append(_Step.make(batch, length, heads, kv_heads, head_dim, dtype, g))
+    return out
+
+
+def compiled_error(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
+    """None if ``"compiled"`` runs here (its first call compiles it), else why not."""
+    try:
+        with torch.inference_mode():  # the timed steps are made the same way: one graph serves both
+            _steps(heads, kv_heads, head_dim, dtype)[0].run("compiled", Workspace())
+    except Exception as e:  # no compiler, an inductor or dynamo error: any of them rules it out
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return None
+
+
+def time_methods(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
+                 methods: tuple[str, ...] = GATHERED_METHODS, repeats: int = 3) -> dict[str, dict[str, float]]:
+    """Best-of-``repeats`` milliseconds of one `paged_decode_attention` call per method and size."""
+    ws = Workspace()
+    ms: dict[str, dict[str, float]] = {m: {} for m in methods}
+    with torch.inference_mode():
+        for step in _steps(heads, kv_heads, head_dim, dtype):
+            for m in methods:  # warm-up (and the compile of "compiled" for this size class)
+                step.run(m, ws)
+            best = {m: float("inf") for m in methods}
             for _ in range(repeats):
-                for m in DECODE_METHODS:
-                    t0 = time.perf_counter()
-                    batched_decode_attention(q, k, v, bias, head_dim**-0.5, m, ws)
-                    best[m] = min(best[m], (time.perf_counter() - t0) * 1e3)
-        for m in DECODE_METHODS:
-            ms[m][f"{batch}x{length}"] = best[m]
+                for m in methods:
+                    best[m] = min(best[m], step.run(m, ws))
+            for m in methods:
+                ms[m][f"{step.meta.batch}x{step.meta.n_blocks * BLOCK}"] = best[m]
     return ms
 
 
-def choose_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int, mode: str = "auto",
-                            device: torch.device | str = "cpu") -> AttentionChoice:
-    """``mode`` pins a method; ``"auto"`` times them (`time_methods`) on CPU."""
+def choose_decode_attention(heads: int, kv_heads: int, head_dim: int, mode: str = "auto",
+                            device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                            allow_compiled: bool = True) -> AttentionChoice:
+    """``mode`` pins a method; ``"auto"`` times the candidates (`time_methods`) on CPU."""
     if mode not in DECODE_ATTENTION:
         raise ValueError(f"unknown decode_attention {mode!r}; expected one of {DECODE_ATTENTION}")
+    if mode == "compiled" and (err := compiled_error(heads, kv_heads, head_dim, dtype)):
+        raise RuntimeError(f"decode_attention='compiled' cannot run here ({err}); use 'auto' or an eager method")
     if mode != "auto":
         return AttentionChoice(mode)
     if torch.device(device).type != "cpu":
         return AttentionChoice("sdpa")
-    ms = time_methods(num_heads, num_kv_heads, head_dim)
+    methods: tuple[str, ...] = GATHERED_METHODS
+    if allow_compiled:
+        if (err := compiled_error(heads, kv_heads, head_dim, dtype)) is None:
+            methods = DECODE_METHODS
+        else:
+            log.warning("compiled decode attention unavailable, timing the eager methods only: %s", err)
+    ms = time_methods(heads, kv_heads, head_dim, dtype, methods)
     score = {m: math.prod(by.values()) ** (1.0 / len(by)) for m, by in ms.items()}
     return AttentionChoice(min(score, key=score.__getitem__), ms)

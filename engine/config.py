@@ -190,7 +190,7 @@ class EngineConfig:
     quantization: str | None = None  # None, or "int8": weight-only int8 linear layers (`engine.quant`)
     fast_kernels: bool = True  # False: the plain reference forward (F.linear, slot gathers), for tests
     linear_kernels: str = "auto"  # oneDNN weight format: "auto" (timed at load), "packed" or "plain"
-    decode_attention: str = "auto"  # batched fp32 decode attention: "auto" (timed at load) or a DECODE_METHODS name
+    decode_attention: str = "auto"  # "auto" (timed at load), "compiled" (torch.compile) or an eager method
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -81,6 +81,7 @@ class Engine:
         cache = KVCache.allocate(
             mcfg, config.num_blocks, config.block_size, config.torch_dtype, config.device
         )
+        model.warm_up_decode_attention(cache)
         pool = BlockPool(config.num_blocks, config.block_size, enable_prefix_cache=config.enable_prefix_cache)
         return cls(
             model_config=mcfg,

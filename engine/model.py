@@ -6,7 +6,8 @@ in two variants chosen at construction:
 - ``fast=True`` (default): oneDNN-prepacked weights (or int8, `engine.quant`) with the RMSNorm gains
   folded into the next linear's weight and the residual add fused into o_proj/down, RoPE for q and k
   in one pass from per-dtype tables gathered once per step, and `attention.paged_decode_attention`
-  over whole cache blocks (in fp32, the formulation `engine.attention_choice` timed fastest here);
+  over the paged cache by the method `engine.attention_choice` timed fastest here (whole-block
+  gathers then batched matmuls, or the compiled in-place kernel of `engine.compiled_attention`);
 - ``fast=False``: the plain reference (``F.linear``, transformers' op order, slot-by-slot gathers,
   SDPA with a bool mask), kept to test the fast path against.
 Batch preparation (positions, slots, block tables, masks) is the caller's (`engine.runner`); this
@@ -95,7 +96,7 @@ class LlamaModel:
     ``quantize_lm_head=False``) as weight-only int8; it implies the fast path. ``linear_kernels``
     picks the oneDNN weight format of the dense fast path (`engine.kernel_choice`): ``"auto"``
     times both per class of layers; ``kernel_choices`` records what each class got.
-    ``decode_attention`` picks the fast path's batched fp32 decode attention the same way
+    ``decode_attention`` picks the fast path's decode attention method the same way
     (`engine.attention_choice`), recorded in ``attention_choice`` (None on the reference path).
     """
 
@@ -126,7 +127,8 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
         self.ws = Workspace()
         self.attention_choice: AttentionChoice | None = (
-            choose_decode_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, decode_attention, self.device)
+            choose_decode_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, decode_attention, self.device,
+                                    self.dtype)
             if self.fast else None
         )
         self._decode_method = self.attention_choice.method if self.attention_choice else "per_head"
@@ -287,6 +289,18 @@ class LlamaModel:
                                                self.scale, method))
             start += meta.batch
         return torch.cat(outs)
+
+    @torch.inference_mode()
+    def warm_up_decode_attention(self, cache: KVCache) -> None:
+        """Runs the decode attention once against ``cache`` (reads block 0, writes nothing), so a
+        compiled method compiles for this cache at load rather than on the first request."""
+        if self.attention_choice is None or self.attention_choice.method != "compiled":
+            return
+        cfg, bs = self.cfg, cache.block_size
+        q = torch.zeros(2, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+        meta = PagedDecodeMeta(block_ids=torch.zeros(4, dtype=torch.long, device=self.device),
+                               bias=torch.zeros(2, 1, 2 * bs, device=self.device), batch=2, n_blocks=2)
+        paged_decode_attention(q, cache.k[0], cache.v[0], meta, self.ws, self.scale, self._decode_method)
 
     def _decode_reference(self, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
         cfg = self.cfg

@@ -106,6 +106,7 @@ class ModelRunner:
         )
         return self.model.prefill(batch, self.cache)
 
+    @torch.inference_mode()  # the step's tensors match the model's (guards of `engine.compiled_attention`)
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
         """One decode step for every sequence. Returns fp32 logits ``[len(seqs), vocab]``.
 

@@ -211,9 +211,9 @@ _ENGINE_RUN: dict[str, Any] = {
             "type": "object", "required": ["name", "out_features", "in_features", "count", "format", "ms_per_pass"],
             "properties": {"name": {"type": "string"}, "format": {"enum": ["packed", "plain"]},
                            "ms_per_pass": {"type": "object", "description": "format → rows → ms per pass"}}}},
-        "decode_attention": {"type": "object", "description": "the batched fp32 decode attention method timed at "
+        "decode_attention": {"type": "object", "description": "the decode attention method timed at "
                              "load (engine.attention_choice)", "required": ["method", "ms"], "properties": {
-            "method": {"enum": ["sdpa", "per_head", "block_diagonal"]},
+            "method": {"enum": ["sdpa", "per_head", "block_diagonal", "compiled"]},
             "ms": {"type": "object", "description": "method → 'BxL' → best ms of one call"}}},
         "weight_bytes": {"type": "integer", "minimum": 1, "description": "bytes one forward streams"},
         "kv_bytes_per_token": {"type": "integer", "minimum": 1},

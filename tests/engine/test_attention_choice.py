@@ -1,25 +1,31 @@
-"""`engine.attention_choice`: the batched fp32 decode attention method, timed at load or pinned.
+"""`engine.attention_choice`: the decode attention method, timed at load or pinned.
 
 That every method computes the reference attention is `test_fast_paths`'s job; here: what gets
-timed, what wins, what is refused, and that `EngineConfig.decode_attention` reaches the model.
+timed, what wins, what happens when the compiled method cannot run, what is refused, that
+`EngineConfig.decode_attention` reaches the model, and that a compiled engine never compiles
+again once loaded, whatever the step's batch size or context length.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
+import torch
 
-from engine import attention_choice
-from engine.attention import DECODE_METHODS
-from engine.attention_choice import AttentionChoice, choose_decode_attention, time_methods
+from engine import attention_choice, compiled_attention
+from engine.attention import DECODE_METHODS, GATHERED_METHODS
+from engine.attention_choice import AttentionChoice, choose_decode_attention, compiled_error, time_methods
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.runner import DecodeSeq
+from tests.markers import needs_cxx
 from tests.tiny_models import make_tiny
 
 
-def test_pinned_method_is_not_timed() -> None:
-    for m in DECODE_METHODS:
+def test_pinned_eager_method_is_not_timed() -> None:
+    for m in GATHERED_METHODS:
         assert choose_decode_attention(6, 2, 16, m) == AttentionChoice(m)
 
 
@@ -30,19 +36,45 @@ def test_off_cpu_devices_get_sdpa_untimed() -> None:
 def test_auto_times_every_method_at_every_size_and_picks_the_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention_choice, "SIZES", ((2, 40), (4, 96)))
     ms = time_methods(6, 2, 16, repeats=1)
-    assert set(ms) == set(DECODE_METHODS)
-    assert all(list(by) == ["2x40", "4x96"] and all(t > 0 for t in by.values()) for by in ms.values())
-    fake = {m: {"2x40": 1.0 + i, "4x96": 1.0 + i} for i, m in enumerate(reversed(DECODE_METHODS))}
+    assert set(ms) == set(GATHERED_METHODS)
+    assert all(list(by) == ["2x48", "4x96"] and all(t > 0 for t in by.values()) for by in ms.values())
+    fake = {m: {"2x48": 1.0 + i, "4x96": 1.0 + i} for i, m in enumerate(reversed(DECODE_METHODS))}
+    monkeypatch.setattr(attention_choice, "compiled_error", lambda *a: None)
     monkeypatch.setattr(attention_choice, "time_methods", lambda *a, **k: fake)
     got = choose_decode_attention(6, 2, 16)
     assert got.method == DECODE_METHODS[-1] and got.ms == fake
-    assert got.summary().startswith(f"{DECODE_METHODS[-1]} (ms at 2x40/4x96:")
+    assert got.summary().startswith(f"{DECODE_METHODS[-1]} (ms at 2x48/4x96:")
 
 
 def test_buffers_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention_choice, "SIZES", ((64, 128),))
     monkeypatch.setattr(attention_choice, "MAX_BUFFER_BYTES", 8 * 128 * 2 * 16 * 4)
     assert list(time_methods(6, 2, 16, repeats=1)["sdpa"]) == ["8x128"]
+
+
+def test_compiled_that_cannot_run_is_left_out_with_a_warning_and_refused_when_pinned(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(compiled_attention, "_compiled", broken)
+    assert compiled_error(6, 2, 16, torch.float32) == "RuntimeError: InvalidCxxCompiler: No working C++ compiler found"
+    monkeypatch.setattr(attention_choice, "SIZES", ((2, 40),))
+    with caplog.at_level(logging.WARNING, logger="engine.attention_choice"):
+        got = choose_decode_attention(6, 2, 16)
+    assert got.method in GATHERED_METHODS and set(got.ms) == set(GATHERED_METHODS)
+    assert "compiled decode attention unavailable" in caplog.text and "No working C++ compiler" in caplog.text
+    with pytest.raises(RuntimeError, match=r"cannot run here.*No working C\+\+ compiler"):
+        choose_decode_attention(6, 2, 16, "compiled")
+
+
+@needs_cxx
+def test_compiled_is_timed_when_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_choice, "SIZES", ((2, 40), (3, 64)))
+    assert compiled_error(6, 2, 16, torch.float32) is None
+    got = choose_decode_attention(6, 2, 16)
+    assert set(got.ms) == set(DECODE_METHODS) and got.method in DECODE_METHODS
 
 
 def test_unknown_method_is_refused() -> None:
@@ -58,3 +90,19 @@ def test_engine_config_reaches_the_model(tmp_path: Path) -> None:
     assert eng.runner.model.attention_choice == AttentionChoice("block_diagonal")
     ref = Engine.from_dir(path, EngineConfig(num_blocks=16, fast_kernels=False))
     assert ref.runner.model.attention_choice is None
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_compiled_engine_does_not_compile_while_serving(tmp_path: Path, dtype: str) -> None:
+    from torch._dynamo.utils import counters
+
+    path = make_tiny("llama", tmp_path / "m", seed=4, num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    eng = Engine.from_dir(path, EngineConfig(num_blocks=64, block_size=8, dtype=dtype, decode_attention="compiled"))
+    graphs = counters["stats"]["unique_graphs"]
+    for batch, ctx in ((1, 3), (1, 40), (2, 5), (5, 70), (3, 8)):  # one row / one block / many of both
+        seqs = [DecodeSeq(10 + i, ctx, eng.pool.allocate(eng.blocks_for(ctx + 1))) for i in range(batch)]
+        assert torch.isfinite(eng.runner.decode(seqs)).all()
+        for s in seqs:
+            eng.pool.free(list(s.block_table))
+    assert counters["stats"]["unique_graphs"] == graphs

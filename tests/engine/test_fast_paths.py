@@ -22,9 +22,11 @@ from engine.model import LlamaModel
 from engine.quant import Linear, PackedLinear, make_linear, onednn_packing_available
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from engine.weights import load_weights
+from tests.markers import needs_cxx
 from tests.tiny_models import make_tiny
 
 BLOCK = 8
+METHODS = [pytest.param(m, marks=needs_cxx) if m == "compiled" else m for m in attention.DECODE_METHODS]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -74,9 +76,9 @@ def test_fast_fp32_matches_reference(tiny_dir: Path, kernels: str) -> None:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("method", attention.DECODE_METHODS)
+@pytest.mark.parametrize("method", METHODS)
 def test_fast_fp32_decode_attention_methods_match_reference(tiny_dir: Path, method: str) -> None:
-    """Each batched decode attention formulation, through the whole model (3 sequences per step)."""
+    """Each decode attention method, through the whole model (3 sequences per step)."""
     ref = scenario(runner(tiny_dir, torch.float32, fast=False))
     fast = scenario(runner(tiny_dir, torch.float32, fast=True, kernels="packed", decode_attention=method))
     for a, b in zip(fast, ref, strict=True):
@@ -96,7 +98,7 @@ def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path, small_rows:
     assert fast_err <= 2 * ref_err + 1e-3, (fast_err, ref_err)
 
 
-@pytest.mark.parametrize("method", attention.DECODE_METHODS)
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # bf16: the first three are small steps (fp32 after a cast), the last one the block-diagonal bf16 bmm path.
 @pytest.mark.parametrize(("kv_heads", "group", "lengths"),
