@@ -178,13 +178,14 @@ def paged_decode_attention(
     the fastest of `GATHERED_METHODS` depends on the CPU: ``method`` picks one (`batched_decode_attention`);
     batch 1 needs no choice (`_single_decode_attention`); small bf16 steps
     (``B * L <= SMALL_DECODE_ROWS``) take the fp32 paths after a cast. ``method="compiled"`` skips all
-    of this: `engine.compiled_attention` reads the blocks in place, for every batch size and dtype.
+    of this from 2 sequences up: `engine.compiled_attention` reads the blocks in place, in any dtype
+    (at batch 1 its fixed cost, ~0.1 ms a layer, was more than the one-sequence gather it saves).
     """
     b, _, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     length = meta.n_blocks * bs
     dev, dt = q.device, k_cache.dtype
-    if method == "compiled":
+    if method == "compiled" and b > 1:  # batch 1: the gather is small and the compiled call's fixed cost is not
         from engine.compiled_attention import compiled_paged_attention  # imports inductor: only when used
 
         return compiled_paged_attention(q, k_cache, v_cache, meta.block_ids.view(b, meta.n_blocks), meta.bias,
