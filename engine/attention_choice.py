@@ -8,12 +8,14 @@ differs between CPUs of the same kind of machine. At 32 sequences x 1,040 positi
 heads over 3 KV heads) a layer's attention took, on a 2-core Xeon, per_head 2.9 ms vs sdpa 5.5; on
 a 2-core AVX-512 EPYC, sdpa 6.8, block_diagonal 8.1, per_head 11.6 (torch 2.13), gathers excluded.
 
-How: `paged_decode_attention` itself (gather included) runs with every method on one synthetic
-paged cache of the model's head geometry and dtype at a short and a long step (`SIZES`, the batch
-halved until the context fits `MAX_BUFFER_BYTES`), methods interleaved, best of ``repeats``; the
-lowest geometric mean over the sizes wins. ``"compiled"`` is only a candidate when
-``allow_compiled`` and its first call (which compiles it) succeeds; a failure (no C++ compiler, an
-inductor error) is logged and leaves the eager methods.
+How: `paged_decode_attention` itself (gather included) runs with every method on synthetic paged
+caches of the model's head geometry and dtype, one per "layer", enough layers that they stream from
+memory as a real step's do, at a short and a long step (`SIZES`, the batch halved until one layer's
+context fits `MAX_BUFFER_BYTES`), methods interleaved, best of ``repeats``. The fastest at the long
+step serves every step, unless another one was fastest at the short step: that one then serves
+the steps up to the geometric mean of the two sizes' rows (`AttentionChoice.method_for`).
+``"compiled"`` is only a candidate when ``allow_compiled`` and its first call (which compiles it)
+succeeds; a failure (no C++ compiler, an inductor error) is logged and leaves the eager methods.
 
 Invariants: every method computes the same attention up to float reassociation (tested against
 the reference `attention.decode_attention`), so the choice changes speed only; a pinned method is
@@ -36,31 +38,52 @@ log = logging.getLogger(__name__)
 
 DECODE_ATTENTION = ("auto", *DECODE_METHODS)
 SIZES = ((8, 272), (32, 1040))  # (sequences, positions) of the timed steps
-MAX_BUFFER_BYTES = 64 * 2**20
+MAX_BUFFER_BYTES = 64 * 2**20  # one layer's K (or V) context at most
+STREAM_BYTES = 256 * 2**20  # the K + V caches of all timed layers together, at least (up to MAX_LAYERS)
+MAX_LAYERS = 16
 BLOCK = 16
 
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    """The method decode steps use, and its timings (empty when pinned)."""
+    """The method decode steps use, and its timings (empty when pinned).
+
+    ``method`` serves every step, except that with a ``small_method`` the steps of at most
+    ``split_rows`` (sequence, position) rows take that one: the fastest method for a short step and
+    for a long one can differ (the compiled one has a fixed cost per call and reads no gather).
+    """
 
     method: str
     ms: dict[str, dict[str, float]] = field(default_factory=dict)  # method → "BxL" → best ms of one call
+    small_method: str | None = None
+    split_rows: int = 0
+
+    def method_for(self, rows: int) -> str:
+        """The method for a step (or group) of ``rows`` = sequences x padded positions."""
+        return self.small_method if self.small_method is not None and rows <= self.split_rows else self.method
 
     def summary(self) -> str:
         if not self.ms:
             return self.method
         times = ", ".join(f"{m} " + "/".join(f"{t:.2f}" for t in by.values()) for m, by in self.ms.items())
-        return f"{self.method} (ms at {'/'.join(next(iter(self.ms.values())))}: {times})"
+        pick = self.method
+        if self.small_method:
+            pick = f"{self.small_method} up to {self.split_rows} rows, then {self.method}"
+        return f"{pick} (ms at {'/'.join(next(iter(self.ms.values())))}: {times})"
 
 
 @dataclass
 class _Step:
-    """A synthetic decode step: a paged cache, scattered block tables, padded rows."""
+    """A synthetic decode step over ``layers`` paged caches: scattered block tables, padded rows.
+
+    One call runs it on every layer's cache in turn, as a decode step does, so the caches stream
+    from memory instead of staying in the CPU's cache (`STREAM_BYTES`): a gather that reads a hot
+    cache is several times cheaper than one in a real step, and the choice would favour it.
+    """
 
     q: torch.Tensor  # [B, H, D]
-    k_cache: torch.Tensor  # [num_blocks, BLOCK, KV, D]
-    v_cache: torch.Tensor
+    k_caches: list[torch.Tensor]  # per layer [num_blocks, BLOCK, KV, D]
+    v_caches: list[torch.Tensor]
     meta: PagedDecodeMeta
 
     @classmethod
@@ -70,16 +93,21 @@ class _Step:
         n = batch * nb + 1
         k = torch.randn(n, BLOCK, kv_heads, head_dim, generator=g).to(dtype)  # [num_blocks, BLOCK, KV, D]
         v = torch.randn(n, BLOCK, kv_heads, head_dim, generator=g).to(dtype)
+        layers = min(MAX_LAYERS, max(1, -(-STREAM_BYTES // (2 * k.numel() * k.element_size()))))
         table = torch.randperm(n, generator=g)[: batch * nb]  # [B * nb]
         bias = torch.zeros(batch, 1, nb * BLOCK)
         bias[1:, :, nb * BLOCK // 2 :] = float("-inf")  # padded rows, as in a step of mixed lengths
         q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
-        return cls(q, k, v, PagedDecodeMeta(table, bias, batch, nb))
+        return cls(q, [k] + [k.clone() for _ in range(layers - 1)], [v] + [v.clone() for _ in range(layers - 1)],
+                   PagedDecodeMeta(table, bias, batch, nb))
 
     def run(self, method: str, ws: Workspace) -> float:
+        """Milliseconds per layer of one pass over the layers."""
+        scale = self.q.shape[-1] ** -0.5
         t0 = time.perf_counter()
-        paged_decode_attention(self.q, self.k_cache, self.v_cache, self.meta, ws, self.q.shape[-1] ** -0.5, method)
-        return (time.perf_counter() - t0) * 1e3
+        for k, v in zip(self.k_caches, self.v_caches, strict=True):
+            paged_decode_attention(self.q, k, v, self.meta, ws, scale, method)
+        return (time.perf_counter() - t0) * 1e3 / len(self.k_caches)
 
 
 def _steps(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[_Step]:
@@ -139,5 +167,10 @@ def choose_decode_attention(heads: int, kv_heads: int, head_dim: int, mode: str 
         else:
             log.warning("compiled decode attention unavailable, timing the eager methods only: %s", err)
     ms = time_methods(heads, kv_heads, head_dim, dtype, methods)
-    score = {m: math.prod(by.values()) ** (1.0 / len(by)) for m, by in ms.items()}
-    return AttentionChoice(min(score, key=score.__getitem__), ms)
+    sizes = list(next(iter(ms.values())))  # "BxL" keys, short step first
+    small = min(ms, key=lambda m: ms[m][sizes[0]])
+    large = min(ms, key=lambda m: ms[m][sizes[-1]])
+    if small == large:
+        return AttentionChoice(large, ms)
+    rows = [math.prod(int(x) for x in k.split("x")) for k in (sizes[0], sizes[-1])]
+    return AttentionChoice(large, ms, small_method=small, split_rows=int(math.sqrt(rows[0] * rows[1])))

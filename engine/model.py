@@ -131,7 +131,6 @@ class LlamaModel:
                                     self.dtype)
             if self.fast else None
         )
-        self._decode_method = self.attention_choice.method if self.attention_choice else "per_head"
 
         def fold(w: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
             if self.fast and norm is not None:
@@ -280,27 +279,32 @@ class LlamaModel:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[PagedDecodeMeta]
     ) -> torch.Tensor:
         """q: [B, H, D] with the groups' rows consecutive → [B, H * D]."""
-        method = self._decode_method
         if len(groups) == 1:
-            return paged_decode_attention(q, k_cache, v_cache, groups[0], self.ws, self.scale, method)
+            return paged_decode_attention(q, k_cache, v_cache, groups[0], self.ws, self.scale,
+                                          self._decode_method(groups[0], k_cache.shape[1]))
         outs, start = [], 0
         for meta in groups:
             outs.append(paged_decode_attention(q[start : start + meta.batch], k_cache, v_cache, meta, self.ws,
-                                               self.scale, method))
+                                               self.scale, self._decode_method(meta, k_cache.shape[1])))
             start += meta.batch
         return torch.cat(outs)
+
+    def _decode_method(self, meta: PagedDecodeMeta, block_size: int) -> str:
+        choice = self.attention_choice
+        return choice.method_for(meta.batch * meta.n_blocks * block_size) if choice else "per_head"
 
     @torch.inference_mode()
     def warm_up_decode_attention(self, cache: KVCache) -> None:
         """Runs the decode attention once against ``cache`` (reads block 0, writes nothing), so a
         compiled method compiles for this cache at load rather than on the first request."""
-        if self.attention_choice is None or self.attention_choice.method != "compiled":
+        choice = self.attention_choice
+        if choice is None or "compiled" not in (choice.method, choice.small_method):
             return
         cfg, bs = self.cfg, cache.block_size
         q = torch.zeros(2, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
         meta = PagedDecodeMeta(block_ids=torch.zeros(4, dtype=torch.long, device=self.device),
                                bias=torch.zeros(2, 1, 2 * bs, device=self.device), batch=2, n_blocks=2)
-        paged_decode_attention(q, cache.k[0], cache.v[0], meta, self.ws, self.scale, self._decode_method)
+        paged_decode_attention(q, cache.k[0], cache.v[0], meta, self.ws, self.scale, "compiled")
 
     def _decode_reference(self, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
         cfg = self.cfg

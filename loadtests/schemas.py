@@ -214,6 +214,9 @@ _ENGINE_RUN: dict[str, Any] = {
         "decode_attention": {"type": "object", "description": "the decode attention method timed at "
                              "load (engine.attention_choice)", "required": ["method", "ms"], "properties": {
             "method": {"enum": ["sdpa", "per_head", "block_diagonal", "compiled"]},
+            "small_method": {"enum": ["sdpa", "per_head", "block_diagonal", "compiled", None],
+                             "description": "the method of steps of at most split_rows rows, if another"},
+            "split_rows": {"type": "integer", "minimum": 0},
             "ms": {"type": "object", "description": "method → 'BxL' → best ms of one call"}}},
         "weight_bytes": {"type": "integer", "minimum": 1, "description": "bytes one forward streams"},
         "kv_bytes_per_token": {"type": "integer", "minimum": 1},

@@ -46,6 +46,27 @@ def test_auto_times_every_method_at_every_size_and_picks_the_fastest(monkeypatch
     assert got.summary().startswith(f"{DECODE_METHODS[-1]} (ms at 2x48/4x96:")
 
 
+def test_short_and_long_steps_can_get_different_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = {"sdpa": {"2x48": 1.0, "4x96": 9.0}, "per_head": {"2x48": 2.0, "4x96": 3.0},
+            "block_diagonal": {"2x48": 3.0, "4x96": 4.0}, "compiled": {"2x48": 5.0, "4x96": 1.0}}
+    monkeypatch.setattr(attention_choice, "compiled_error", lambda *a: None)
+    monkeypatch.setattr(attention_choice, "time_methods", lambda *a, **k: fake)
+    got = choose_decode_attention(6, 2, 16)
+    assert (got.method, got.small_method, got.split_rows) == ("compiled", "sdpa", 192)  # sqrt(96 * 384)
+    assert [got.method_for(r) for r in (1, 192, 193, 10_000)] == ["sdpa", "sdpa", "compiled", "compiled"]
+    assert got.summary().startswith("sdpa up to 192 rows, then compiled")
+    assert AttentionChoice("per_head").method_for(1) == "per_head"
+
+
+def test_timed_steps_stream_their_caches_from_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_choice, "STREAM_BYTES", 10 * 2**20)
+    step = attention_choice._Step.make(8, 272, 6, 2, 16, torch.float32, torch.Generator().manual_seed(0))
+    per_layer = 2 * step.k_caches[0].numel() * 4
+    assert len(step.k_caches) == min(attention_choice.MAX_LAYERS, -(-10 * 2**20 // per_layer))
+    assert len({c.data_ptr() for c in step.k_caches}) == len(step.k_caches)  # distinct memory per layer
+    assert all(torch.equal(c, step.k_caches[0]) for c in step.k_caches)
+
+
 def test_buffers_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention_choice, "SIZES", ((64, 128),))
     monkeypatch.setattr(attention_choice, "MAX_BUFFER_BYTES", 8 * 128 * 2 * 16 * 4)
