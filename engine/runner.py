@@ -106,15 +106,24 @@ class ModelRunner:
         )
         return self.model.prefill(batch, self.cache)
 
-    @torch.inference_mode()  # the step's tensors match the model's (guards of `engine.compiled_attention`)
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
         """One decode step for every sequence. Returns fp32 logits ``[len(seqs), vocab]``.
 
         Rows run sorted by context length, in groups each padded only to its own longest context
-        (`group_by_length`), then the logits are put back in the caller's order.
+        (`group_by_length`), then the logits are put back in the caller's order (a normal tensor,
+        not an inference-mode one: callers may modify it in place).
         """
         if not seqs:
             raise ValueError("decode of an empty batch")
+        logits, order = self._decode_sorted(seqs)  # [B, vocab], sorted rows
+        inverse = torch.empty(len(order), dtype=torch.long, device=logits.device)
+        inverse[torch.tensor(order, dtype=torch.long, device=logits.device)] = torch.arange(
+            len(order), device=logits.device
+        )
+        return logits[inverse]
+
+    @torch.inference_mode()  # the step's tensors match the model's (guards of `engine.compiled_attention`)
+    def _decode_sorted(self, seqs: Sequence[DecodeSeq]) -> tuple[torch.Tensor, list[int]]:
         bs = self.block_size
         needs = [self._check_table(s.block_table, s.position) for s in seqs]
         order = sorted(range(len(seqs)), key=lambda i: needs[i])
@@ -147,12 +156,7 @@ class ModelRunner:
             bias=bias,  # [B, 1, L]
             groups=groups,
         )
-        logits = self.model.decode(batch, self.cache)  # [B, vocab], sorted rows
-        inverse = torch.empty(len(order), dtype=torch.long, device=logits.device)
-        inverse[torch.tensor(order, dtype=torch.long, device=logits.device)] = torch.arange(
-            len(order), device=logits.device
-        )
-        return logits[inverse]
+        return self.model.decode(batch, self.cache), order
 
 
 def group_by_length(needs: Sequence[int], max_groups: int = 4, slack: float = 2.0) -> list[tuple[int, int]]:

@@ -123,7 +123,9 @@ def test_a_compiled_engine_does_not_compile_while_serving(tmp_path: Path, dtype:
     graphs = counters["stats"]["unique_graphs"]
     for batch, ctx in ((1, 3), (1, 40), (2, 5), (5, 70), (3, 8)):  # one row / one block / many of both
         seqs = [DecodeSeq(10 + i, ctx, eng.pool.allocate(eng.blocks_for(ctx + 1))) for i in range(batch)]
-        assert torch.isfinite(eng.runner.decode(seqs)).all()
+        logits = eng.runner.decode(seqs)
+        assert torch.isfinite(logits).all()
+        assert not logits.is_inference()  # callers may change it in place outside inference mode
         for s in seqs:
             eng.pool.free(list(s.block_table))
     assert counters["stats"]["unique_graphs"] == graphs
