@@ -88,12 +88,13 @@ class _Step:
 
     @classmethod
     def make(cls, batch: int, length: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-             g: torch.Generator) -> _Step:
+             g: torch.Generator, layers: int | None = None) -> _Step:
         nb = -(-length // BLOCK)
         n = batch * nb + 1
         k = torch.randn(n, BLOCK, kv_heads, head_dim, generator=g).to(dtype)  # [num_blocks, BLOCK, KV, D]
         v = torch.randn(n, BLOCK, kv_heads, head_dim, generator=g).to(dtype)
-        layers = min(MAX_LAYERS, max(1, -(-STREAM_BYTES // (2 * k.numel() * k.element_size()))))
+        if layers is None:
+            layers = min(MAX_LAYERS, max(1, -(-STREAM_BYTES // (2 * k.numel() * k.element_size()))))
         table = torch.randperm(n, generator=g)[: batch * nb]  # [B * nb]
         bias = torch.zeros(batch, 1, nb * BLOCK)
         bias[1:, :, nb * BLOCK // 2 :] = float("-inf")  # padded rows, as in a step of mixed lengths
@@ -124,7 +125,8 @@ def compiled_error(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype)
     """None if ``"compiled"`` runs here (its first call compiles it), else why not."""
     try:
         with torch.inference_mode():  # the timed steps are made the same way: one graph serves both
-            _steps(heads, kv_heads, head_dim, dtype)[0].run("compiled", Workspace())
+            step = _Step.make(2, 2 * BLOCK, heads, kv_heads, head_dim, dtype, torch.Generator(), layers=1)
+            step.run("compiled", Workspace())
     except Exception as e:  # no compiler, an inductor or dynamo error: any of them rules it out
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     return None
