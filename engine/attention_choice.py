@@ -25,6 +25,7 @@ off-CPU devices are not timed here (no sync point in the loop) and get ``"sdpa"`
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import DECODE_METHODS, GATHERED_METHODS, PagedDecodeMeta, Workspace, paged_decode_attention
+from engine.kernel_choice import best_of_interleaved
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +141,9 @@ def time_methods(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype = 
     ms: dict[str, dict[str, float]] = {m: {} for m in methods}
     with torch.inference_mode():
         for step in _steps(heads, kv_heads, head_dim, dtype):
-            for m in methods:  # warm-up (and the compile of "compiled" for this size class)
-                step.run(m, ws)
-            best = {m: float("inf") for m in methods}
-            for _ in range(repeats):
-                for m in methods:
-                    best[m] = min(best[m], step.run(m, ws))
-            for m in methods:
-                ms[m][f"{step.meta.batch}x{step.meta.n_blocks * BLOCK}"] = best[m]
+            runs = {m: functools.partial(step.run, m, ws) for m in methods}
+            for m, t in best_of_interleaved(runs, repeats).items():
+                ms[m][f"{step.meta.batch}x{step.meta.n_blocks * BLOCK}"] = t
     return ms
 
 

@@ -20,9 +20,10 @@ before the next class is built, so load needs at most one class's weights twice.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,18 @@ class KernelChoice:
         return sorted({r for by_rows in self.ms_per_pass.values() for r in by_rows})
 
 
+def best_of_interleaved(runs: Mapping[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Each run once as a warm-up, then ``repeats`` rounds of all of them in turn; the least
+    milliseconds (as each run reports them) of each. Interleaving makes load hit every run alike."""
+    for run in runs.values():
+        run()
+    best = {name: float("inf") for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            best[name] = min(best[name], run())
+    return best
+
+
 def _pass_ms(kernels: Sequence[Linear], x: torch.Tensor) -> float:
     t0 = time.perf_counter()
     for k in kernels:
@@ -78,14 +91,10 @@ def time_formats(
     with torch.inference_mode():
         for r in rows:
             x = torch.randn(r, weights[0].shape[1], generator=g).to(weights[0].dtype)  # [rows, in]
-            for kernels in built.values():  # warm-up: oneDNN builds its primitive for this row count
-                _pass_ms(kernels, x)
-            best = {fmt: float("inf") for fmt in built}
-            for _ in range(repeats):
-                for fmt, kernels in built.items():
-                    best[fmt] = min(best[fmt], _pass_ms(kernels, x))
-            for fmt in built:
-                ms[fmt][r] = best[fmt]
+            # (the warm-up pass also has oneDNN build its primitive for this row count)
+            runs = {fmt: functools.partial(_pass_ms, kernels, x) for fmt, kernels in built.items()}
+            for fmt, t in best_of_interleaved(runs, repeats).items():
+                ms[fmt][r] = t
     return built, ms
 
 
