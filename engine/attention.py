@@ -2,10 +2,9 @@
 
 Owns: writing new K/V rows into cache slots and computing attention against a sequence's cached
 rows. Two decode paths: the reference (`decode_attention`: gather every context slot, SDPA with a
-bool mask) and the fast one (`paged_decode_attention`: copy whole blocks, then in fp32 whichever of
-`DECODE_METHODS` this machine runs fastest, in bf16 batched matmuls with GQA folded into a
-block-diagonal query, softmax in fp32). Prefill
-uses SDPA (``is_causal`` when a chunk starts at position 0).
+bool mask) and the fast one (`paged_decode_attention`: the method of `DECODE_METHODS` this machine
+runs fastest, either whole-block copies then batched matmuls, softmax in fp32, or the compiled kernel
+that reads the blocks in place). Prefill uses SDPA (``is_causal`` when a chunk starts at position 0).
 
 Invariants: a *slot* is ``block_id * block_size + row``; a query at absolute position ``p`` sees
 exactly the keys at positions ``0..p`` of its own sequence; padding rows of a batched decode step
@@ -136,7 +135,7 @@ class Workspace:
 #: bf16 decode steps with at most this many (sequence, position) rows are cast to fp32 and take its paths.
 SMALL_DECODE_ROWS = 512
 #: The formulations of batched (B > 1) fp32 decode attention over the gathered blocks, plus
-#: ``"compiled"`` (`engine.compiled_attention`: no gather, every batch size and dtype); which is
+#: ``"compiled"`` (`engine.compiled_attention`: no gather, from 2 sequences up, any dtype); which is
 #: fastest differs between CPUs (`engine.attention_choice` times them at load): at 32 x 1,040
 #: positions a layer's attention alone took per_head 2.9 ms vs sdpa 5.5 on a 2-core Xeon, but sdpa
 #: 6.8, block_diagonal 8.1, per_head 11.6 on a 2-core EPYC.

@@ -15,8 +15,8 @@ Invariants: scores, softmax and the weighted sum run in fp32 whatever the cache 
 is the same attention as `attention.decode_attention` up to float reassociation (tested); padding
 positions carry ``-inf`` in ``bias`` and never contribute; compiling needs a C++ compiler at
 runtime (inductor's), so `engine.attention_choice` only picks this method after a call succeeded.
-One graph serves every batch size and context length (both marked dynamic; steps of 1 row or 1
-block are padded to 2, never specialized), compiled on first use (~7 s cold, ~3 s from inductor's
+One graph serves every batch size from 2 and every context length (both marked dynamic; a step of 1
+block is padded to 2, never specialized; batch 1 stays eager), compiled on first use (~7 s cold, ~3 s from inductor's
 disk cache), so a serving process compiles at load, in `engine.attention_choice`, never mid-stream.
 """
 
@@ -65,21 +65,17 @@ def compiled_paged_attention(
     """`paged_attention_in_place`, compiled once per head geometry, dtype and scale for every step size.
 
     Batch, block count and cache size are marked dynamic, so one graph serves every step (and
-    `engine.Engine` compiles it at load against its own cache, never mid-stream). A batch of 1 or a
-    single block would be specialized, so such steps are padded to 2: a duplicate row dropped
-    afterwards, a masked duplicate block. Guards also key on strides and inference-mode-ness: ``q``
-    is made contiguous, and the runner builds its step tensors in inference mode, as the model
-    builds ``q``.
+    `engine.Engine` compiles it at load against its own cache, never mid-stream). Sizes of 1 would be
+    specialized: a single block is padded with a masked duplicate, and a batch of 1 is the caller's
+    to avoid (`attention.paged_decode_attention` runs batch 1 eagerly). Guards also key on strides
+    and inference-mode-ness: ``q`` is made contiguous, and the runner builds its step tensors in
+    inference mode, as the model builds ``q``.
     """
-    b, nb = block_table.shape
-    if nb == 1:
+    if block_table.shape[1] == 1:
         block_table = torch.cat([block_table, block_table], 1)  # [B, 2]
         bias = F.pad(bias, (0, k_cache.shape[1]), value=float("-inf"))  # the copy is never visible
-    if b == 1:
-        q, block_table, bias = torch.cat([q, q]), torch.cat([block_table, block_table]), torch.cat([bias, bias])
     q = q.contiguous()  # the model's q is a strided view of its qkv output
     for t, dims in ((q, (0,)), (k_cache, (0,)), (v_cache, (0,)), (block_table, (0, 1)), (bias, (0, 2))):
         for dim in dims:
             torch._dynamo.mark_dynamic(t, dim)
-    out = _compiled(q, k_cache, v_cache, block_table, bias, scale)
-    return out[:1] if b == 1 else out
+    return _compiled(q, k_cache, v_cache, block_table, bias, scale)
