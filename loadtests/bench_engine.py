@@ -185,7 +185,8 @@ def run_dtype(eng: Engine, limits: dict[str, float], sizes: Sizes, repeats: int,
     kv_tok = eng.model_config.kv_bytes_per_token(eng.config.torch_dtype)
     bw = limits[f"matvec_{dt}_gbs"] * 1e9
     # The floor's bandwidth again, timed between the decode steps themselves (`bench_decode`).
-    probe = mach.MatvecProbe(eng.config.torch_dtype, *((1024, 1024) if sizes is QUICK else (16384, 8192)))
+    probe = mach.MatvecProbe(eng.config.torch_dtype, 1024, 1024) if sizes is QUICK else mach.MatvecProbe(
+        eng.config.torch_dtype)
     out: dict[str, Any] = {"dtype": eng.config.dtype, "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
                            "linear_kernels": [asdict(c) for c in model.kernel_choices],
                            "decode_attention": asdict(model.attention_choice) if model.attention_choice else None,

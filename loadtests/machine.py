@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from engine.quant import onednn_packing_available
+
 
 def median_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
     for _ in range(warmup):
@@ -31,11 +33,9 @@ def matmul_peak_gflops(dtype: torch.dtype, n: int = 1536) -> float:
     a = torch.randn(n, n, dtype=torch.float32).to(dtype)
     b = torch.randn(n, n, dtype=torch.float32).to(dtype)
     best = median_time(lambda: torch.mm(a, b))
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
+    if onednn_packing_available(dtype):  # else torch.mm is the peak
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, n)  # computes a @ b.T: same FLOPs
         best = min(best, median_time(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")))
-    except (RuntimeError, AttributeError):  # a torch without oneDNN: torch.mm is the peak
-        pass
     return 2 * n**3 / best / 1e9
 
 
