@@ -3,7 +3,8 @@
 Owns: the choice among `attention.DECODE_METHODS` for the fast path's decode steps, and the
 timings behind it. The gathered methods (sdpa / per_head / block_diagonal) differ in how batched
 fp32 steps (and small bf16 steps, which run in fp32) multiply the gathered blocks; ``"compiled"``
-(`engine.compiled_attention`) reads the blocks in place for every step. Why measure: the fastest
+(`engine.compiled_attention`) and ``"native"`` (`engine.native_attention`) read the blocks in
+place. Why measure: the fastest
 differs between CPUs of the same kind of machine. At 32 sequences x 1,040 positions (SmolLM2's 9
 heads over 3 KV heads) a layer's attention took, on a 2-core Xeon, per_head 2.9 ms vs sdpa 5.5; on
 a 2-core AVX-512 EPYC, sdpa 6.8, block_diagonal 8.1, per_head 11.6 (torch 2.13), gathers excluded.
@@ -14,8 +15,9 @@ memory as a real step's do, at a short and a long step (`SIZES`, the batch halve
 context fits `MAX_BUFFER_BYTES`), methods interleaved, best of ``repeats``. The fastest at the long
 step serves every step, unless another one was fastest at the short step: that one then serves
 the steps up to the geometric mean of the two sizes' rows (`AttentionChoice.method_for`).
-``"compiled"`` is only a candidate when ``allow_compiled`` and its first call (which compiles it)
-succeeds; a failure (no C++ compiler, an inductor error) is logged and leaves the eager methods.
+``"compiled"`` and ``"native"`` (`engine.native_attention`, a C++ kernel built here) are only
+candidates when ``allow_compiled`` and they build and run (the compiled one's first call compiles
+it); a failure (no C++ compiler, an inductor error) is logged and leaves the others.
 
 Invariants: every method computes the same attention up to float reassociation (tested against
 the reference `attention.decode_attention`), so the choice changes speed only; a pinned method is
@@ -35,6 +37,7 @@ import torch
 
 from engine.attention import DECODE_METHODS, GATHERED_METHODS, PagedDecodeMeta, Workspace, paged_decode_attention
 from engine.kernel_choice import best_of_interleaved
+from engine.native_attention import native_error
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +158,8 @@ def choose_decode_attention(heads: int, kv_heads: int, head_dim: int, mode: str 
         raise ValueError(f"unknown decode_attention {mode!r}; expected one of {DECODE_ATTENTION}")
     if mode == "compiled" and (err := compiled_error(heads, kv_heads, head_dim, dtype)):
         raise RuntimeError(f"decode_attention='compiled' cannot run here ({err}); use 'auto' or an eager method")
+    if mode == "native" and (err := native_error()):
+        raise RuntimeError(f"decode_attention='native' cannot run here ({err}); use 'auto' or an eager method")
     if mode != "auto":
         return AttentionChoice(mode)
     if torch.device(device).type != "cpu":
@@ -162,9 +167,13 @@ def choose_decode_attention(heads: int, kv_heads: int, head_dim: int, mode: str 
     methods: tuple[str, ...] = GATHERED_METHODS
     if allow_compiled:
         if (err := compiled_error(heads, kv_heads, head_dim, dtype)) is None:
-            methods = DECODE_METHODS
+            methods = (*methods, "compiled")
         else:
-            log.warning("compiled decode attention unavailable, timing the eager methods only: %s", err)
+            log.warning("compiled decode attention unavailable, not timing it: %s", err)
+        if (err := native_error()) is None:
+            methods = (*methods, "native")
+        else:
+            log.warning("native decode attention unavailable, not timing it: %s", err)
     ms = time_methods(heads, kv_heads, head_dim, dtype, methods)
     sizes = list(next(iter(ms.values())))  # "BxL" keys, short step first
     small = min(ms, key=lambda m: ms[m][sizes[0]])

@@ -145,7 +145,7 @@ class ModelRunner:
             groups.append(
                 PagedDecodeMeta(
                     block_ids=table[lo:hi, :nb].reshape(-1), bias=bias[lo:hi, :, : nb * bs].contiguous(),
-                    batch=hi - lo, n_blocks=nb,
+                    batch=hi - lo, n_blocks=nb, lengths=positions[lo:hi] + 1,
                 )
             )
         batch = DecodeBatch(

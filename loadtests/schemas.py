@@ -213,8 +213,8 @@ _ENGINE_RUN: dict[str, Any] = {
                            "ms_per_pass": {"type": "object", "description": "format → rows → ms per pass"}}}},
         "decode_attention": {"type": "object", "description": "the decode attention method timed at "
                              "load (engine.attention_choice)", "required": ["method", "ms"], "properties": {
-            "method": {"enum": ["sdpa", "per_head", "block_diagonal", "compiled"]},
-            "small_method": {"enum": ["sdpa", "per_head", "block_diagonal", "compiled", None],
+            "method": {"enum": ["sdpa", "per_head", "block_diagonal", "compiled", "native"]},
+            "small_method": {"enum": ["sdpa", "per_head", "block_diagonal", "compiled", "native", None],
                              "description": "the method of steps of at most split_rows rows, if another"},
             "split_rows": {"type": "integer", "minimum": 0},
             "ms": {"type": "object", "description": "method → 'BxL' → best ms of one call"}}},

@@ -80,12 +80,14 @@ def test_compiled_that_cannot_run_is_left_out_with_a_warning_and_refused_when_pi
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
 
     monkeypatch.setattr(compiled_attention, "_compiled", broken)
+    monkeypatch.setattr(attention_choice, "native_error", lambda: "no C++ compiler 'c++' on PATH")
     assert compiled_error(6, 2, 16, torch.float32) == "RuntimeError: InvalidCxxCompiler: No working C++ compiler found"
     monkeypatch.setattr(attention_choice, "SIZES", ((2, 40),))
     with caplog.at_level(logging.WARNING, logger="engine.attention_choice"):
         got = choose_decode_attention(6, 2, 16)
     assert got.method in GATHERED_METHODS and set(got.ms) == set(GATHERED_METHODS)
     assert "compiled decode attention unavailable" in caplog.text and "No working C++ compiler" in caplog.text
+    assert "native decode attention unavailable" in caplog.text
     with pytest.raises(RuntimeError, match=r"cannot run here.*No working C\+\+ compiler"):
         choose_decode_attention(6, 2, 16, "compiled")
 

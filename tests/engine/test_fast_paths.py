@@ -26,7 +26,7 @@ from tests.markers import needs_cxx
 from tests.tiny_models import make_tiny
 
 BLOCK = 8
-METHODS = [pytest.param(m, marks=needs_cxx) if m == "compiled" else m for m in attention.DECODE_METHODS]
+METHODS = [pytest.param(m, marks=needs_cxx) if m in ("compiled", "native") else m for m in attention.DECODE_METHODS]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -1,0 +1,123 @@
+"""`engine.native_attention`: the C++ paged decode attention, its build, and what it refuses.
+
+That it computes the reference attention over padded, scattered block tables in fp32 and bf16 is
+also `test_fast_paths`'s (parametrized over every method); here: batched decode steps of a whole
+engine pinned to it against the reference engine, lengths given by the runner, the build cache,
+a missing compiler and a compile error (clear reasons, refused when pinned), and bad arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import attention_choice, native_attention
+from engine.attention import GATHERED_METHODS, decode_attention
+from engine.attention_choice import choose_decode_attention
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.native_attention import NativeUnavailable, native_error, native_paged_attention
+from engine.runner import DecodeSeq, PrefillChunk
+from tests.markers import needs_cxx
+from tests.tiny_models import make_tiny
+
+
+@pytest.fixture
+def fresh_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """An empty build cache and no library loaded yet in this process."""
+    monkeypatch.setenv("PDSERVE_NATIVE_CACHE", str(tmp_path / "native"))
+    native_attention.load.cache_clear()
+    yield tmp_path / "native"
+    native_attention.load.cache_clear()
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_decode_of_a_native_engine_matches_the_reference_engine(tmp_path: Path, dtype: str) -> None:
+    path = make_tiny("llama", tmp_path / "m", seed=5, num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    cfg = dict(num_blocks=64, block_size=8, dtype=dtype)
+    fast = Engine.from_dir(path, EngineConfig(**cfg, decode_attention="native"))  # type: ignore[arg-type]
+    ref = Engine.from_dir(path, EngineConfig(**cfg, fast_kernels=False))  # type: ignore[arg-type]
+    assert fast.runner.model.attention_choice is not None and fast.runner.model.attention_choice.method == "native"
+    lengths = [3, 17, 40, 8, 1]  # several blocks, one block, one position
+    logits = {}
+    for name, eng in (("fast", fast), ("ref", ref)):
+        seqs = []
+        for i, n in enumerate(lengths):
+            blocks = eng.pool.allocate(eng.blocks_for(n + 1))
+            ids = [(7 * i + j) % 50 + 3 for j in range(n)]
+            eng.runner.prefill([PrefillChunk(ids, 0, blocks)])
+            seqs.append(DecodeSeq(11 + i, n, blocks))
+        logits[name] = eng.runner.decode(seqs)
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    torch.testing.assert_close(logits["fast"], logits["ref"], atol=tol, rtol=tol)
+
+
+@needs_cxx
+def test_explicit_lengths_and_a_built_library_is_reused(fresh_build: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(10, 4, 2, 8, generator=g), torch.randn(10, 4, 2, 8, generator=g)
+    table = torch.tensor([[3, 7, 1], [2, 0, 0]])
+    q = torch.randn(2, 4, 8, generator=g)
+    got = native_paged_attention(q, kc, vc, table, torch.tensor([10, 3]), 0.3)  # [2, 4 * 8]
+    built = list(fresh_build.glob("paged_decode-*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    for b, n in enumerate((10, 3)):
+        ctx = torch.arange(n)
+        slots = (table[b, ctx // 4] * 4 + ctx % 4)[None]
+        want = decode_attention(q[b : b + 1], kc, vc, slots, torch.ones(1, n, dtype=torch.bool), 0.3)
+        torch.testing.assert_close(got[b], want.reshape(-1), atol=1e-5, rtol=1e-5)
+    native_attention.load.cache_clear()
+    assert native_error() is None
+    assert built[0].stat().st_mtime_ns == mtime and list(fresh_build.glob("*.so")) == built
+
+
+def test_no_compiler_is_left_out_with_a_warning_and_refused_when_pinned(
+    fresh_build: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    assert native_error() == "no C++ compiler 'no-such-compiler-xyz' on PATH"
+    monkeypatch.setattr(attention_choice, "compiled_error", lambda *a: "not here")
+    monkeypatch.setattr(attention_choice, "SIZES", ((2, 40),))
+    with caplog.at_level(logging.WARNING, logger="engine.attention_choice"):
+        got = choose_decode_attention(6, 2, 16)
+    assert got.method in GATHERED_METHODS and set(got.ms) == set(GATHERED_METHODS)
+    assert "native decode attention unavailable" in caplog.text and "no-such-compiler-xyz" in caplog.text
+    with pytest.raises(RuntimeError, match=r"decode_attention='native' cannot run here.*no-such-compiler"):
+        choose_decode_attention(6, 2, 16, "native")
+
+
+@needs_cxx
+def test_a_compile_error_names_the_compiler_output(fresh_build: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("this is not C++;\n")
+    monkeypatch.setattr(native_attention, "SOURCE", bad)
+    with pytest.raises(NativeUnavailable, match=r"failed:.*bad\.cpp"):
+        native_attention.load()
+    assert list(fresh_build.glob("*")) == []  # nothing half-written is left to load later
+
+
+@needs_cxx
+def test_bad_arguments_are_refused_before_the_kernel_runs() -> None:
+    kc = torch.zeros(4, 4, 2, 8)
+    q, table, lens = torch.zeros(2, 4, 8), torch.zeros(2, 1, dtype=torch.long), torch.tensor([1, 2])
+    with pytest.raises(TypeError, match="fp32 or bf16"):
+        native_paged_attention(q, kc.half(), kc.half(), table, lens, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        native_paged_attention(q, kc.transpose(1, 2), kc.transpose(1, 2), table, lens, 1.0)
+    with pytest.raises(ValueError, match="head geometry"):
+        native_paged_attention(torch.zeros(2, 3, 8), kc, kc, table, lens, 1.0)
+    with pytest.raises(ValueError, match="block_table"):
+        native_paged_attention(q, kc, kc, table.int(), lens, 1.0)
+    with pytest.raises(ValueError, match="lengths"):
+        native_paged_attention(q, kc, kc, table, torch.tensor([1]), 1.0)
+    with pytest.raises(ValueError, match=r"lengths must lie in \[1, 4\], got \[1, 5\]"):
+        native_paged_attention(q, kc, kc, table, torch.tensor([1, 5]), 1.0)
+    with pytest.raises(ValueError, match="lengths must lie"):
+        native_paged_attention(q, kc, kc, table, torch.tensor([0, 2]), 1.0)
