@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+# No -ffast-math: its crtfastmath.o sets flush-to-zero / denormals-are-zero for the whole process on load.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
 

@@ -8,7 +8,7 @@
 // One sequence per OpenMP work item: its blocks are read once, row by row (each row holds every KV
 // head: KV * D contiguous values), for the scores of all H heads, then softmax over [0, lens[b]) in
 // fp32 (only visible positions are visited, so no -inf ever enters: -ffast-math is safe), then once
-// more for the weighted sum of V. Built with -O3 -march=native -ffast-math -fopenmp: the `omp simd`
+// more for the weighted sum of V. Built with -O3 -march=native -fopenmp (no -ffast-math: it would set FTZ/DAZ process-wide): the `omp simd`
 // loops vectorize for whatever the build machine has (AVX2, AVX-512), exp through glibc's libmvec.
 #include <cstdint>
 #include <cmath>
