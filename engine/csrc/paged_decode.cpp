@@ -22,6 +22,10 @@ static inline void to_float(const uint16_t* p, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) { uint32_t u = (uint32_t)p[i] << 16; float f; std::memcpy(&f, &u, 4); dst[i] = f; }
 }
 
+// The first n values of a block as fp32: in place for fp32 caches, else converted into buf.
+static inline const float* block_rows(const float* p, int64_t, float*) { return p; }
+static inline const float* block_rows(const uint16_t* p, int64_t n, float* buf) { to_float(p, buf, n); return buf; }
+
 template <typename T>
 static void attend(const float* q, const T* kc, const T* vc, const int64_t* bt, const int64_t* lens,
                    float* out, int64_t B, int64_t H, int64_t KV, int64_t D, int64_t BS, int64_t NB,
@@ -38,10 +42,7 @@ static void attend(const float* q, const T* kc, const T* vc, const int64_t* bt, 
       const int64_t* table = bt + b * NB;
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t n = std::min(BS, L - t0);
-        const T* kb = kc + table[t0 / BS] * blk;
-        const float* kf;
-        if constexpr (sizeof(T) == 4) kf = reinterpret_cast<const float*>(kb);
-        else { to_float(kb, buf.data(), n * row); kf = buf.data(); }
+        const float* kf = block_rows(kc + table[t0 / BS] * blk, n * row, buf.data());
         for (int64_t r = 0; r < n; ++r) {
           for (int64_t h = 0; h < H; ++h) {
             const float* qh = qb + h * D;
@@ -68,10 +69,7 @@ static void attend(const float* q, const T* kc, const T* vc, const int64_t* bt, 
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t n = std::min(BS, L - t0);
-        const T* vb = vc + table[t0 / BS] * blk;
-        const float* vf;
-        if constexpr (sizeof(T) == 4) vf = reinterpret_cast<const float*>(vb);
-        else { to_float(vb, buf.data(), n * row); vf = buf.data(); }
+        const float* vf = block_rows(vc + table[t0 / BS] * blk, n * row, buf.data());
         for (int64_t r = 0; r < n; ++r) {
           for (int64_t h = 0; h < H; ++h) {
             const float p = s[h * L + t0 + r];
