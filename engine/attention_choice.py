@@ -156,24 +156,19 @@ def choose_decode_attention(heads: int, kv_heads: int, head_dim: int, mode: str 
     """``mode`` pins a method; ``"auto"`` times the candidates (`time_methods`) on CPU."""
     if mode not in DECODE_ATTENTION:
         raise ValueError(f"unknown decode_attention {mode!r}; expected one of {DECODE_ATTENTION}")
-    if mode == "compiled" and (err := compiled_error(heads, kv_heads, head_dim, dtype)):
-        raise RuntimeError(f"decode_attention='compiled' cannot run here ({err}); use 'auto' or an eager method")
-    if mode == "native" and (err := native_error()):
-        raise RuntimeError(f"decode_attention='native' cannot run here ({err}); use 'auto' or an eager method")
+    in_place = {"compiled": lambda: compiled_error(heads, kv_heads, head_dim, dtype), "native": native_error}
+    if mode in in_place and (err := in_place[mode]()):
+        raise RuntimeError(f"decode_attention={mode!r} cannot run here ({err}); use 'auto' or an eager method")
     if mode != "auto":
         return AttentionChoice(mode)
     if torch.device(device).type != "cpu":
         return AttentionChoice("sdpa")
     methods: tuple[str, ...] = GATHERED_METHODS
-    if allow_compiled:
-        if (err := compiled_error(heads, kv_heads, head_dim, dtype)) is None:
-            methods = (*methods, "compiled")
+    for method, error in in_place.items() if allow_compiled else ():
+        if (err := error()) is None:
+            methods = (*methods, method)
         else:
-            log.warning("compiled decode attention unavailable, not timing it: %s", err)
-        if (err := native_error()) is None:
-            methods = (*methods, "native")
-        else:
-            log.warning("native decode attention unavailable, not timing it: %s", err)
+            log.warning("%s decode attention unavailable, not timing it: %s", method, err)
     ms = time_methods(heads, kv_heads, head_dim, dtype, methods)
     sizes = list(next(iter(ms.values())))  # "BxL" keys, short step first
     small = min(ms, key=lambda m: ms[m][sizes[0]])
