@@ -77,6 +77,17 @@ def test_explicit_lengths_and_a_built_library_is_reused(fresh_build: Path) -> No
     assert built[0].stat().st_mtime_ns == mtime and list(fresh_build.glob("*.so")) == built
 
 
+@needs_cxx
+def test_loading_the_library_keeps_subnormal_floats(fresh_build: Path) -> None:
+    """-ffast-math would link crtfastmath, whose constructor sets flush-to-zero for the whole process
+    (hypothesis then refuses to run, and every later computation in the process changes)."""
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # a subnormal fp32
+    assert (tiny * 1.0).item() != 0.0
+    native_attention.load()
+    assert list(fresh_build.glob("paged_decode-*.so")), "the library was not built in this test"
+    assert (tiny * 1.0).item() != 0.0 and (tiny / 2).item() != 0.0
+
+
 def test_no_compiler_is_left_out_with_a_warning_and_refused_when_pinned(
     fresh_build: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
