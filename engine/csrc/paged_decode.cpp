@@ -5,11 +5,13 @@
 // block_table [B, NB] int64; lens [B] int64, 1 <= lens[b] <= NB * BS (the caller's invariant: they
 // are positions + 1); out [B, H, D] fp32. Head h reads KV head h / (H / KV) (GQA).
 //
-// One sequence per OpenMP work item: its blocks are read once, row by row (each row holds every KV
-// head: KV * D contiguous values), for the scores of all H heads, then softmax over [0, lens[b]) in
-// fp32 (only visible positions are visited, so no -inf ever enters: -ffast-math is safe), then once
-// more for the weighted sum of V. Built with -O3 -march=native -fopenmp (no -ffast-math: it would set FTZ/DAZ process-wide): the `omp simd`
-// loops vectorize for whatever the build machine has (AVX2, AVX-512), exp through glibc's libmvec.
+// One sequence per OpenMP work item (one sequence and KV head when there are fewer sequences than
+// threads, so batch 1 keeps every thread busy): its blocks are read once, row by row (each row holds
+// every KV head: KV * D contiguous values), for the scores of all its heads, then softmax over
+// [0, lens[b]) in fp32 (only visible positions are visited, so no -inf ever enters), then once more
+// for the weighted sum of V. Built with -O3 -march=native -fopenmp (no -ffast-math: it would set
+// FTZ/DAZ process-wide, and without it glibc declares no vector exp, so the exp loop is scalar):
+// the `omp simd` loops vectorize for whatever the build machine has (AVX2, AVX-512).
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -34,8 +36,11 @@ static void attend(const float* q, const T* kc, const T* vc, const int64_t* bt, 
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<float> s, acc(H * D), buf(BS * row);
+    // Fewer sequences than threads: each KV head of a sequence is a work item of its own.
+    const int64_t split = B < nthreads ? KV : 1, per = KV / split;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t item = 0; item < B * split; ++item) {
+      const int64_t b = item / split, h0 = (item % split) * per * G, h1 = h0 + per * G;  // heads [h0, h1)
       const int64_t L = lens[b];
       s.resize(H * L);
       const float* qb = q + b * H * D;
@@ -44,7 +49,7 @@ static void attend(const float* q, const T* kc, const T* vc, const int64_t* bt, 
         const int64_t n = std::min(BS, L - t0);
         const float* kf = block_rows(kc + table[t0 / BS] * blk, n * row, buf.data());
         for (int64_t r = 0; r < n; ++r) {
-          for (int64_t h = 0; h < H; ++h) {
+          for (int64_t h = h0; h < h1; ++h) {
             const float* qh = qb + h * D;
             const float* kp = kf + r * row + (h / G) * D;
             float a = 0.f;
@@ -54,7 +59,7 @@ static void attend(const float* q, const T* kc, const T* vc, const int64_t* bt, 
           }
         }
       }
-      for (int64_t h = 0; h < H; ++h) {
+      for (int64_t h = h0; h < h1; ++h) {
         float* sh = s.data() + h * L;
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
@@ -71,7 +76,7 @@ static void attend(const float* q, const T* kc, const T* vc, const int64_t* bt, 
         const int64_t n = std::min(BS, L - t0);
         const float* vf = block_rows(vc + table[t0 / BS] * blk, n * row, buf.data());
         for (int64_t r = 0; r < n; ++r) {
-          for (int64_t h = 0; h < H; ++h) {
+          for (int64_t h = h0; h < h1; ++h) {
             const float p = s[h * L + t0 + r];
             const float* vp = vf + r * row + (h / G) * D;
             float* ah = acc.data() + h * D;
@@ -80,7 +85,7 @@ static void attend(const float* q, const T* kc, const T* vc, const int64_t* bt, 
           }
         }
       }
-      std::memcpy(out + b * H * D, acc.data(), sizeof(float) * H * D);
+      std::memcpy(out + (b * H + h0) * D, acc.data() + h0 * D, sizeof(float) * (h1 - h0) * D);
     }
   }
 }
