@@ -88,11 +88,12 @@ def bench_decode(eng: Engine, runners: dict[str, ModelRunner], batch: int, conte
                  probe: mach.MatvecProbe | None = None) -> dict[str, float]:
     """Median step seconds of each runner, interleaved step by step so load hits them alike; with a
     ``probe``, also the median seconds of its matrix-vector product, timed between the steps
-    (key ``"matvec_probe"``)."""
+    (key ``"matvec_probe"``: the faster kernel's per call; ``"matvec_probe_<kernel>"``: each kernel's)."""
     seqs = _decode_seqs(eng, batch, context)
     try:
         times: dict[str, list[float]] = {k: [] for k in runners}
         probe_s: list[float] = []
+        by_kernel: dict[str, list[float]] = {}
         for r in runners.values():
             r.decode(seqs)
             r.decode(seqs)
@@ -103,9 +104,12 @@ def bench_decode(eng: Engine, runners: dict[str, ModelRunner], batch: int, conte
                 times[k].append(time.perf_counter() - t0)
             if probe is not None:
                 probe_s.append(probe())
+                for name, sec in probe.last.items():
+                    by_kernel.setdefault(name, []).append(sec)
         out = {k: statistics.median(v) for k, v in times.items()}
         if probe_s:
             out["matvec_probe"] = statistics.median(probe_s)
+            out.update({f"matvec_probe_{name}": statistics.median(v) for name, v in by_kernel.items()})
         return out
     finally:
         _free(eng, seqs)
@@ -205,7 +209,9 @@ def run_dtype(eng: Engine, limits: dict[str, float], sizes: Sizes, repeats: int,
             side: dict[str, float] = {}
             if "matvec_probe" in res:
                 bw_side = probe.nbytes / res["matvec_probe"]
-                side = {"matvec_gbs_interleaved": bw_side / 1e9, "vs_weight_floor_interleaved": t / (wbytes / bw_side)}
+                side = {"matvec_gbs_interleaved": bw_side / 1e9, "vs_weight_floor_interleaved": t / (wbytes / bw_side),
+                        **{f"matvec_{name}_gbs_interleaved": probe.nbytes / res[f"matvec_probe_{name}"] / 1e9
+                           for name in probe.kernels}}
             out["decode"].append({
                 "batch": batch, "context": ctx, "step_ms": t * 1e3, "tokens_per_s": batch / t,
                 "weight_floor_ms": floor * 1e3, "vs_weight_floor": t / floor, **side,

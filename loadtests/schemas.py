@@ -206,10 +206,11 @@ _ENGINE_RUN: dict[str, Any] = {
                  "decode"],
     "properties": {
         "dtype": {"type": "string"},
-        "linear_kernels": {"type": "array", "description": "the oneDNN weight format each class of linears got "
+        "linear_kernels": {"type": "array", "description": "the kernel each class of linears got "
                            "at load (engine.kernel_choice), with the timings behind it", "items": {
             "type": "object", "required": ["name", "out_features", "in_features", "count", "format", "ms_per_pass"],
-            "properties": {"name": {"type": "string"}, "format": {"enum": ["packed", "plain"]},
+            "properties": {"name": {"type": "string"},
+                           "format": {"enum": ["packed", "plain", "upcast", "int8", "native"]},
                            "ms_per_pass": {"type": "object", "description": "format → rows → ms per pass"}}}},
         "decode_attention": {"type": "object", "description": "the decode attention method timed at "
                              "load (engine.attention_choice)", "required": ["method", "ms"], "properties": {
