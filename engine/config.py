@@ -189,7 +189,7 @@ class EngineConfig:
     cpu_affinity: tuple[int, ...] = ()  # pin this process to these cores (benchmarks on small machines)
     quantization: str | None = None  # None, or "int8": weight-only int8 linear layers (`engine.quant`)
     fast_kernels: bool = True  # False: the plain reference forward (F.linear, slot gathers), for tests
-    linear_kernels: str = "auto"  # oneDNN weight format: "auto" (timed at load), "packed" or "plain"
+    linear_kernels: str = "auto"  # "auto" (timed at load), "packed"/"plain" (oneDNN) or "native" (C++ kernel)
     decode_attention: str = "auto"  # "auto" (timed at load), "compiled" (torch.compile) or an eager method
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -1,21 +1,29 @@
-"""Which weight format each class of linear layers gets on this machine, measured at load.
+"""Which kernel each class of linear layers gets on this machine, measured at load.
 
 Owns: building the kernels of one *class* of linear layers (every layer's qkv, or every layer's
 down projection, or the lm_head: same shape, same dtype) and, with ``linear_kernels="auto"``,
-choosing between `PackedLinear`'s two formats by timing both over the class's own weights at
-decode row counts. Why measure: the fastest one-row kernel differs between CPUs (BLAS gemv on
-plain weights on one Xeon, prepacked oneDNN on one EPYC, see `engine.quant`), and decode at small
-batches is where a step's time is the weight read.
+choosing between the formats that apply by timing them over the class's own weights at decode row
+counts: dense fp32/bf16 where oneDNN can prepack the dtype, `PackedLinear`'s ``"packed"`` and
+``"plain"``; dense without oneDNN packing (bf16 on CPUs without AVX-512/AVX-NE), ``"plain"``
+(``F.linear``) and ``"upcast"`` (`UpcastLinear`: many rows in fp32); int8, ``"int8"``
+(`Int8Linear`); and in each case ``"native"`` (`engine.native_linear`, the C++ matrix-vector
+kernel for few rows around the plain, upcast or int8 kernel) where it builds. Why measure: the
+fastest few-row kernel differs between CPUs (BLAS gemv on plain weights on one Xeon, prepacked
+oneDNN on one EPYC, the C++ kernel on an AVX2 EPYC; see `engine.quant` and
+`engine.native_linear`), and decode at small batches is where a step's time is the weight read.
 
 How: every weight of the class is run once per pass (so the pass streams the class's bytes from
-memory as a decode step does, rather than re-reading one hot matrix from cache), passes of the two
-formats interleaved, best of ``repeats``; ``"plain"`` wins when the geometric mean of its time
-ratios to ``"packed"`` over the row counts is below ``1 - margin``, so ties keep ``"packed"``.
+memory as a decode step does, rather than re-reading one hot matrix from cache), passes of the
+formats interleaved, best of ``repeats``; the first format listed is the default, and another one
+wins when the geometric mean of its time ratios to the default over the row counts is the least
+and below ``1 - margin``, so ties keep the default.
 
-Invariants: both formats compute the same ``F.linear`` up to float reassociation, so the choice
-never changes what the model computes beyond that; ``"packed"``/``"plain"`` pin it (no timing);
-int8 and the reference path (``fast=False``) are never timed; the format not chosen is freed
-before the next class is built, so load needs at most one class's weights twice.
+Invariants: every format computes the same ``F.linear`` (int8: of the same dequantized weight)
+up to float reassociation, so the choice never changes what the model computes beyond that; a
+named mode pins it (no timing; ``"native"`` where it cannot build is refused with the reason, and
+int8 ignores the dense modes ``"packed"``/``"plain"``); the reference path (``fast=False``) is
+never timed; the formats not chosen are freed before the next class is built, so load needs at
+most one class's weights twice.
 """
 
 from __future__ import annotations
@@ -28,10 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.quant import Linear, PackedLinear, make_linear, onednn_applies
+from engine.native_linear import NativeLinear, native_linear_error
+from engine.quant import Linear, PackedLinear, UpcastLinear, make_linear, onednn_applies
 
-LINEAR_KERNELS = ("auto", "packed", "plain")
-
+LINEAR_KERNELS = ("auto", "packed", "plain", "native")
+TIMED_ROWS = (1, 8, 32)
 
 @dataclass(frozen=True)
 class KernelChoice:
@@ -41,7 +50,7 @@ class KernelChoice:
     out_features: int
     in_features: int
     count: int  # layers in the class
-    format: str  # "packed" | "plain"
+    format: str  # "packed" | "plain" | "upcast" | "int8" | "native"
     ms_per_pass: dict[str, dict[int, float]] = field(default_factory=dict)  # format → rows → ms
 
     def summary(self) -> str:
@@ -75,17 +84,36 @@ def _pass_ms(kernels: Sequence[Linear], x: torch.Tensor) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+Builder = Callable[[torch.Tensor, "torch.Tensor | None"], Linear]
+
+
+def formats(w0: torch.Tensor, quantization: str | None) -> dict[str, Builder]:
+    """The kernels that apply to a class of ``w0``'s dtype, the default first (fast path only)."""
+    out: dict[str, Builder]
+    if quantization is not None:
+        out = {"int8": lambda w, b: make_linear(w, b, quantization=quantization)}
+    elif onednn_applies(w0):
+        out = {fmt: functools.partial(lambda w, b, fmt: PackedLinear(w, b, fmt=fmt), fmt=fmt)
+               for fmt in PackedLinear.FORMATS}
+    else:
+        out = {"plain": lambda w, b: make_linear(w, b, fast=False)}
+        if w0.dtype == torch.bfloat16 and w0.device.type == "cpu":  # no bf16 matmul kernels here
+            out["upcast"] = UpcastLinear
+    if w0.device.type == "cpu" and native_linear_error() is None:
+        base = next(out[f] for f in ("upcast", "plain", "int8") if f in out)  # what runs the prefill rows
+        out["native"] = lambda w, b: NativeLinear(base(w, b))
+    return out
+
+
 def time_formats(
     weights: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor | None],
-    rows: Sequence[int] = (1, 8),
+    builders: Mapping[str, Builder],
+    rows: Sequence[int] = TIMED_ROWS,
     repeats: int = 3,
 ) -> tuple[dict[str, list[Linear]], dict[str, dict[int, float]]]:
-    """Builds the class in both formats and times a pass over it at each row count (best of ``repeats``)."""
-    built: dict[str, list[Linear]] = {
-        fmt: [PackedLinear(w, b, fmt=fmt) for w, b in zip(weights, biases, strict=True)]
-        for fmt in PackedLinear.FORMATS
-    }
+    """Builds the class in every format and times a pass over it at each row count (best of ``repeats``)."""
+    built = {fmt: [make(w, b) for w, b in zip(weights, biases, strict=True)] for fmt, make in builders.items()}
     g = torch.Generator().manual_seed(0)
     ms: dict[str, dict[int, float]] = {fmt: {} for fmt in built}
     with torch.inference_mode():
@@ -98,6 +126,17 @@ def time_formats(
     return built, ms
 
 
+def pick(ms: Mapping[str, Mapping[int, float]], margin: float) -> str:
+    """The default (first) format unless another's geometric-mean time ratio to it is the least and below
+    ``1 - margin``: every row count weighs alike."""
+    default = next(iter(ms))
+    def ratio(fmt: str) -> float:
+        rs = [ms[fmt][r] / ms[default][r] for r in ms[default]]
+        return math.prod(rs) ** (1.0 / len(rs))
+    best = min(ms, key=ratio)
+    return best if ratio(best) < 1.0 - margin else default
+
+
 def build_linears(
     name: str,
     weights: Sequence[torch.Tensor],
@@ -108,19 +147,25 @@ def build_linears(
     mode: str = "auto",
     margin: float = 0.03,
 ) -> tuple[list[Linear], KernelChoice | None]:
-    """The kernels of one class (one per weight, in order) and the format choice (None: not oneDNN)."""
+    """The kernels of one class (one per weight, in order) and the format choice (None: reference path)."""
     if mode not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear_kernels {mode!r}; expected one of {LINEAR_KERNELS}")
     w0 = weights[0]
-    if quantization is not None or not onednn_applies(w0, fast):
-        pairs = zip(weights, biases, strict=True)
-        return [make_linear(w, b, fast=fast, quantization=quantization) for w, b in pairs], None
+    pairs = list(zip(weights, biases, strict=True))
+    if quantization is None and not fast:
+        return [make_linear(w, b, fast=False) for w, b in pairs], None
     out_f, in_f = w0.shape
+    builders = formats(w0, quantization)
+    if mode == "native" and "native" not in builders:
+        why = native_linear_error() or f"not for {w0.dtype} weights on {w0.device}"
+        raise RuntimeError(f"linear_kernels='native' cannot run here: {why}")
     if mode != "auto":
-        kernels = [make_linear(w, b, fmt=mode) for w, b in zip(weights, biases, strict=True)]
-        return kernels, KernelChoice(name, out_f, in_f, len(weights), mode)
-    built, ms = time_formats(weights, biases)
-    ratios = [ms["plain"][r] / ms["packed"][r] for r in ms["plain"]]
-    geo_mean = math.prod(ratios) ** (1.0 / len(ratios))  # every row count weighs alike
-    fmt = "plain" if geo_mean < 1.0 - margin else "packed"
+        fmt = mode if mode in builders else next(iter(builders))  # int8 / no oneDNN: the dense modes are moot
+        kernels = [builders[fmt](w, b) for w, b in pairs]
+        return kernels, KernelChoice(name, out_f, in_f, len(weights), fmt)
+    if len(builders) == 1:
+        fmt, make = next(iter(builders.items()))
+        return [make(w, b) for w, b in pairs], KernelChoice(name, out_f, in_f, len(weights), fmt)
+    built, ms = time_formats(weights, biases, builders)
+    fmt = pick(ms, margin)
     return built[fmt], KernelChoice(name, out_f, in_f, len(weights), fmt, ms)

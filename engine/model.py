@@ -188,19 +188,19 @@ class LlamaModel:
 
     # -- pieces shared by both forwards ----------------------------------------------------------
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm; on the fast path without the gain, which lives in the next linear's weight."""
+    def _normed(self, kernel: Linear, h: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        """kernel(RMSNorm(h)); the fast path's kernels fuse the norm (its gain is in their weights)."""
         if not self.fast:
-            return rms_norm(x, weight, self.cfg.rms_norm_eps)
-        return F.rms_norm(x, (x.shape[-1],), None, self.cfg.rms_norm_eps)  # one fused op, fp32 inside
+            return kernel(rms_norm(h, gain, self.cfg.rms_norm_eps))
+        return kernel.normed(h, self.cfg.rms_norm_eps)
 
     def _qkv(
-        self, lk: LayerKernels, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self, lk: LayerKernels, h: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] → q [T, H, D], k [T, KV, D], v [T, KV, D] (q and k rotated)."""
+        """h: [T, hidden] (before the input norm) → q [T, H, D], k [T, KV, D], v [T, KV, D] (q and k rotated)."""
         cfg = self.cfg
-        t, hd = x.shape[0], cfg.head_dim
-        qkv = lk.qkv(x)  # [T, q + 2kv]
+        t, hd = h.shape[0], cfg.head_dim
+        qkv = self._normed(lk.qkv, h, lk.input_norm)  # [T, q + 2kv]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, hd)
         if not self.fast:
             q, k, _ = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -218,11 +218,14 @@ class LlamaModel:
 
     def _mlp(self, lk: LayerKernels, h: torch.Tensor) -> torch.Tensor:
         """h: [T, hidden] → h + mlp(norm(h))."""
-        gate, up = lk.gate_up(self._norm(h, lk.post_norm)).chunk(2, dim=-1)  # [T, I] each
+        gate_up = self._normed(lk.gate_up, h, lk.post_norm)  # [T, 2I]
+        if self.fast:
+            return lk.down.glu(gate_up, residual=h)
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return lk.down(F.silu(gate) * up, residual=h)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self._norm(h, self.norm)).float()  # [N, vocab]
+        return self._normed(self.lm_head, h, self.norm).float()  # [N, vocab]
 
     # -- forwards ----------------------------------------------------------------------------------
 
@@ -234,7 +237,7 @@ class LlamaModel:
         rope = self._rope_tables(batch.positions)
         bs = cache.block_size
         for li, lk in enumerate(self.layers):
-            q, k, v = self._qkv(lk, self._norm(h, lk.input_norm), batch.positions, rope)
+            q, k, v = self._qkv(lk, h, batch.positions, rope)
             write_kv(cache.k[li], cache.v[li], batch.slots, k, v)
             outs = []
             offset = 0
@@ -268,7 +271,7 @@ class LlamaModel:
         h = self.embed[batch.token_ids]  # [B, hidden]
         rope = self._rope_tables(batch.positions)
         for li, lk in enumerate(self.layers):
-            q, k, v = self._qkv(lk, self._norm(h, lk.input_norm), batch.positions, rope)
+            q, k, v = self._qkv(lk, h, batch.positions, rope)
             write_kv(cache.k[li], cache.v[li], batch.slots, k, v)
             attn = self._grouped_attention(q, cache.k[li], cache.v[li], groups)  # [B, H * D]
             h = lk.o_proj(attn, residual=h)
@@ -316,7 +319,7 @@ class LlamaModel:
         h = self.embed[batch.token_ids]  # [B, hidden]
         b = h.shape[0]
         for li, lk in enumerate(self.layers):
-            q, k, v = self._qkv(lk, self._norm(h, lk.input_norm), batch.positions, self._rope_tables(batch.positions))
+            q, k, v = self._qkv(lk, h, batch.positions, self._rope_tables(batch.positions))
             write_kv(cache.k[li], cache.v[li], batch.slots, k, v)
             attn = decode_attention(q, cache.k[li], cache.v[li], slot_table, valid, self.scale)
             h = lk.o_proj(attn.reshape(b, cfg.q_size), residual=h)

@@ -1,9 +1,7 @@
 """Paged decode attention as a small C++ kernel, compiled for this machine on first use.
 
-Owns: building ``engine/csrc/paged_decode.cpp`` with the system C++ compiler (``$CXX``, else
-``c++``) into a shared library cached under ``~/.cache/pdserve/native`` (``PDSERVE_NATIVE_CACHE``
-overrides), loading it with ctypes, and `native_paged_attention`, the ``"native"`` method of
-`attention.paged_decode_attention`.
+Owns: loading ``engine/csrc/paged_decode.cpp`` (built by `engine.native_build`) and
+`native_paged_attention`, the ``"native"`` method of `attention.paged_decode_attention`.
 
 Why: the eager paths copy each sequence's blocks before multiplying, and inductor's fused kernel
 (`engine.compiled_attention`) reads the context once per softmax pass and per KV head. The kernel
@@ -11,12 +9,10 @@ reads each sequence's blocks once for the scores of every head and once for the 
 math, visible positions only). On a 2-core AVX2 EPYC at 32 sequences x 1,040 positions of SmolLM2
 a layer took 4.7 ms vs 9.7 ms compiled (fp32) and 5.0 vs 7.3 ms (bf16).
 
-Invariants: the library's name carries a hash of the source, the flags, the compiler's version and
-this CPU's flags (``-march=native``), so a stale or foreign build is never loaded; it is written to
-a temporary name and renamed, so concurrent processes never load a half-written file; the kernel
-shares torch's OpenMP runtime (same ``libgomp.so.1`` soname) and runs on ``torch.get_num_threads()``
-threads; ctypes releases the GIL for the call. Every argument is checked here (dtype, contiguity,
-shapes, ``1 <= lengths[b] <= n_blocks * block_size``) because the kernel trusts them; block ids are
+Invariants: built and cached by `engine.native_build` (hash-named, never half-written, no
+fast-math); the kernel runs on ``torch.get_num_threads()`` threads of torch's OpenMP runtime.
+Every argument is checked here (dtype, contiguity, shapes, ``1 <= lengths[b] <= n_blocks *
+block_size``) because the kernel trusts them; block ids are
 the caller's to keep in range (`engine.runner` checks every table it builds).
 """
 
@@ -24,72 +20,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-# No -ffast-math: its crtfastmath.o sets flush-to-zero / denormals-are-zero for the whole process on load.
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
+from engine.native_build import CSRC, NativeUnavailable, build, unavailable_reason
+
+SOURCE = CSRC / "paged_decode.cpp"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
-
-
-class NativeUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here (no compiler, a compile error); the message says why."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_NATIVE_CACHE") or Path.home() / ".cache" / "pdserve" / "native")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+__all__ = ["NativeUnavailable", "load", "native_error", "native_paged_attention"]
 
 
 @functools.cache
 def load() -> ctypes.CDLL:
     """The built library (compiled on the first call in any process, ~1 s, then reused)."""
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        raise NativeUnavailable(f"no C++ compiler {cxx!r} on PATH")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise NativeUnavailable(f"{cxx} --version failed: {e}") from e
-    source = SOURCE.read_text()
-    key = hashlib.sha256("\n".join([source, " ".join(FLAGS), version, _cpu_flags(), platform.machine()]).encode())
-    out = cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            run = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
-            if run.returncode != 0:
-                raise NativeUnavailable(f"{cxx} failed: {run.stderr.strip()[-500:]}")
-            os.replace(tmp, out)
-        except subprocess.SubprocessError as e:
-            raise NativeUnavailable(f"{cxx} did not finish: {e}") from e
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    try:
-        lib = ctypes.CDLL(str(out))
-    except OSError as e:
-        raise NativeUnavailable(f"cannot load {out}: {e}") from e
+    lib = build(SOURCE)
     for name in ("paged_decode_f32", "paged_decode_bf16"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _ARGTYPES, None
@@ -98,11 +43,7 @@ def load() -> ctypes.CDLL:
 
 def native_error() -> str | None:
     """None if the kernel builds and loads here, else why not."""
-    try:
-        load()
-    except NativeUnavailable as e:
-        return str(e)
-    return None
+    return unavailable_reason(load)
 
 
 def native_paged_attention(

@@ -52,6 +52,16 @@ class Linear:
         y = F.linear(x, self.weight, self.bias)
         return y if residual is None else residual + y
 
+    def normed(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of x without a gain (the fast path folds it into the weight), then this kernel:
+        x [T, in] → [T, out]. `engine.native_linear` fuses the two."""
+        return self(F.rms_norm(x, (x.shape[-1],), None, eps))
+
+    def glu(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up of ``gate_up [T, 2 * in]``, then this kernel (+ residual) → [T, out]."""
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, in] each
+        return self(F.silu(gate) * up, residual)
+
 
 @functools.cache
 def onednn_packing_available(dtype: torch.dtype) -> bool:
@@ -140,6 +150,26 @@ class PackedLinear(Linear):
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
 
 
+class UpcastLinear(Linear):
+    """bf16 weight on a CPU without bf16 matmul kernels (no AVX-512 BF16/AVX-NE-CONVERT: oneDNN cannot
+    prepack it, and ``F.linear`` in bf16 ran at ~18 GFLOP/s on a 2-core AVX2 EPYC where fp32 ran at
+    ~140): more than ``upcast_min_rows`` rows run in fp32 on a copy of the weight upcast for the
+    call (a read and a write of the weight: small next to a prefill's FLOPs), the result rounded
+    back to bf16; fewer rows run as ``F.linear`` in bf16, where the weight read is the cost. The
+    stored weight stays bf16, so nothing is kept twice."""
+
+    upcast_min_rows = 8
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] < self.upcast_min_rows:
+            return super().__call__(x, residual)
+        bias = None if self.bias is None else self.bias.float()
+        y = F.linear(x.float(), self.weight.float(), bias)  # [T, out] fp32
+        if residual is not None:
+            y += residual
+        return y.to(x.dtype)
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: ``weight [out, in]`` → ``(q int8 [out, in], scale fp32 [out])``.
 
@@ -163,7 +193,8 @@ class Int8Linear(Linear):
 
     Up to ``int8_mm_max_rows`` rows (decode): ``aten._weight_int8pack_mm`` reads the int8 weight
     directly. More rows (prefill): dequantize to bf16 and run a dense matmul, where compute, not the
-    weight read, is the cost. fp32 activations are cast to bf16 and the result back.
+    weight read, is the cost (in fp32 where this CPU has no bf16 matmul kernels, as `UpcastLinear`).
+    fp32 activations are cast to bf16 and the result back.
     """
 
     int8_mm_max_rows = 16  # measured: the int8 kernel beats dequantize + bf16 matmul up to ~32 rows
@@ -191,8 +222,11 @@ class Int8Linear(Linear):
             y = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale)
             if self.bias is not None:
                 y = y + self.bias
-        else:
+        elif onednn_packing_available(torch.bfloat16):
             y = F.linear(xb, self.dequantized(), self.bias)
+        else:  # no bf16 matmul kernels on this CPU (see `UpcastLinear`): the dense product in fp32
+            w = self.qweight.float() * self.scale.float()[:, None]  # [out, in]
+            y = F.linear(xb.float(), w, None if self.bias is None else self.bias.float())
         y = y.to(self.act_dtype)
         return y if residual is None else residual + y
 

@@ -1,8 +1,8 @@
 """Every fast path against the plain reference path (``fast=False``) on tiny random models.
 
 The reference path is the one `test_model_oracle` holds to transformers at 1e-4; here the fast
-path (prepacked oneDNN linears with folded norm gains and fused residuals, fused RoPE, paged
-block-wise decode attention) must match it: to 1e-4 in fp32, and in bf16 to within twice the
+path (prepacked oneDNN or native linears with folded norm gains, fused norms, GLU and residuals,
+fused RoPE, paged block-wise decode attention) must match it: to 1e-4 in fp32, and in bf16 to within twice the
 reference's own bf16 error (both measured against the fp32 reference).
 """
 
@@ -68,7 +68,10 @@ def scenario(r: ModelRunner) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kernels", ["packed", "plain", "auto"])
+KERNELS = ["packed", "plain", pytest.param("native", marks=needs_cxx)]
+
+
+@pytest.mark.parametrize("kernels", [*KERNELS, "auto"])
 def test_fast_fp32_matches_reference(tiny_dir: Path, kernels: str) -> None:
     ref = scenario(runner(tiny_dir, torch.float32, fast=False))
     fast = scenario(runner(tiny_dir, torch.float32, fast=True, kernels=kernels))
@@ -85,7 +88,7 @@ def test_fast_fp32_decode_attention_methods_match_reference(tiny_dir: Path, meth
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kernels", ["packed", "plain"])
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("small_rows", [attention.SMALL_DECODE_ROWS, 0])  # 0: bf16 decode via bmm, not SDPA
 def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path, small_rows: int, kernels: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.kernel_choice import build_linears, time_formats
-from engine.quant import Int8Linear, Linear, PackedLinear, onednn_packing_available
+from engine.kernel_choice import build_linears, formats, time_formats
+from engine.native_linear import NativeLinear, native_linear_error
+from engine.quant import Int8Linear, Linear, PackedLinear, UpcastLinear, onednn_packing_available
 from tests.tiny_models import make_tiny
 
 needs_onednn = pytest.mark.skipif(not onednn_packing_available(torch.float32), reason="no oneDNN weight packing")
@@ -34,13 +35,15 @@ def test_pinned_format_is_obeyed_and_not_timed(mode: str) -> None:
 
 
 @needs_onednn
-def test_auto_times_both_formats_and_keeps_the_one_it_reports() -> None:
+def test_auto_times_every_format_and_keeps_the_one_it_reports() -> None:
     ws, bs = weights()
     kernels, choice = build_linears("qkv", ws, bs, mode="auto")
-    assert choice is not None and choice.format in PackedLinear.FORMATS
-    assert set(choice.ms_per_pass) == set(PackedLinear.FORMATS)
-    assert all(set(by_rows) == {1, 8} and min(by_rows.values()) > 0 for by_rows in choice.ms_per_pass.values())
-    assert all(isinstance(k, PackedLinear) and k.format == choice.format for k in kernels)
+    native = ["native"] if native_linear_error() is None else []
+    assert choice is not None and choice.format in [*PackedLinear.FORMATS, *native]
+    assert list(choice.ms_per_pass) == [*PackedLinear.FORMATS, *native]  # the default first
+    assert all(set(by_rows) == {1, 8, 32} and min(by_rows.values()) > 0 for by_rows in choice.ms_per_pass.values())
+    kind = NativeLinear if choice.format == "native" else PackedLinear
+    assert all(isinstance(k, kind) for k in kernels)
     x = torch.randn(1, 24)
     for k, w in zip(kernels, ws, strict=True):  # each kernel computes its own weight, in order
         torch.testing.assert_close(k(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
@@ -50,17 +53,44 @@ def test_auto_times_both_formats_and_keeps_the_one_it_reports() -> None:
 @needs_onednn
 def test_time_formats_measures_each_row_count() -> None:
     ws, bs = weights(n=2)
-    built, ms = time_formats(ws, bs, rows=(1, 3, 5), repeats=2)
+    builders = {f: b for f, b in formats(ws[0], None).items() if f in PackedLinear.FORMATS}
+    built, ms = time_formats(ws, bs, builders, rows=(1, 3, 5), repeats=2)
     assert {f: len(k) for f, k in built.items()} == {"packed": 2, "plain": 2}
     assert all(sorted(by_rows) == [1, 3, 5] for by_rows in ms.values())
 
 
-def test_reference_path_and_int8_are_not_timed() -> None:
+def test_reference_path_is_not_timed_and_int8_ignores_the_dense_modes() -> None:
     ws, bs = weights()
     ref, choice = build_linears("o_proj", ws, bs, fast=False)
     assert choice is None and all(type(k) is Linear for k in ref)
+    q8, choice = build_linears("o_proj", ws, bs, quantization="int8", mode="packed")
+    assert choice is not None and choice.format == "int8" and all(isinstance(k, Int8Linear) for k in q8)
     q8, choice = build_linears("o_proj", ws, bs, quantization="int8")
-    assert choice is None and all(isinstance(k, Int8Linear) for k in q8)
+    assert choice is not None and choice.format in ("int8", "native") and len(q8) == 3
+
+
+def test_pick_keeps_the_default_on_a_tie_and_takes_a_clear_winner() -> None:
+    from engine.kernel_choice import pick
+
+    assert pick({"packed": {1: 1.0, 8: 2.0}, "native": {1: 0.99, 8: 1.99}}, margin=0.03) == "packed"
+    assert pick({"packed": {1: 1.0, 8: 2.0}, "plain": {1: 0.9, 8: 1.9}, "native": {1: 0.5, 8: 2.2}},
+                margin=0.03) == "native"  # geometric mean 0.74 vs 0.92
+    assert pick({"packed": {1: 1.0}, "native": {1: 1.5}}, margin=0.03) == "packed"
+
+
+def test_bf16_without_onednn_packing_gets_the_upcast_format(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import kernel_choice
+
+    monkeypatch.setattr(kernel_choice, "onednn_applies", lambda *a: False)
+    ws = [w.bfloat16() for w in weights()[0]]
+    got = formats(ws[0], None)
+    assert list(got)[:2] == ["plain", "upcast"]
+    k = got["upcast"](ws[0], None)
+    assert isinstance(k, UpcastLinear)
+    x = torch.randn(UpcastLinear.upcast_min_rows + 3, 24).bfloat16()
+    want = F.linear(x.float(), ws[0].float()).bfloat16()
+    assert torch.equal(k(x), want)  # many rows: fp32 math, one rounding
+    assert torch.equal(k(x[:1]), F.linear(x[:1], ws[0]))  # few rows: bf16 F.linear
 
 
 def test_unknown_mode_is_refused() -> None:
