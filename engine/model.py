@@ -39,6 +39,7 @@ from engine.attention_choice import AttentionChoice, choose_decode_attention
 from engine.config import EngineConfig, ModelConfig
 from engine.kernel_choice import KernelChoice, build_linears
 from engine.kv_cache import KVCache
+from engine.native_rope import MAX_HEAD_DIM, RopeStore, native_rope_error
 from engine.quant import Linear
 from engine.rope import RotaryEmbedding
 from engine.weights import ModelWeights
@@ -124,7 +125,11 @@ class LlamaModel:
         # rotate_half(x) * sin == roll(x, half) * [-sin | sin]: one table, no negation per step.
         self._cos = self.rope.cos.to(self.dtype)  # [P, D]
         self._sin_signed = torch.cat([-self.rope.sin[:, :half], self.rope.sin[:, half:]], -1).to(self.dtype)
+        self._sin_signed32 = torch.cat([-self.rope.sin[:, :half], self.rope.sin[:, half:]], -1).contiguous()  # fp32
         self.scale = cfg.head_dim**-0.5
+        # RoPE + cache store in one native call per layer (`engine.native_rope`) where it builds.
+        self.native_rope = (self.fast and self.device.type == "cpu" and cfg.head_dim <= MAX_HEAD_DIM
+                            and native_rope_error() is None)
         self.ws = Workspace()
         self.attention_choice: AttentionChoice | None = (
             choose_decode_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, decode_attention, self.device,
@@ -195,9 +200,12 @@ class LlamaModel:
         return kernel.normed(h, self.cfg.rms_norm_eps)
 
     def _qkv(
-        self, lk: LayerKernels, h: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self, lk: LayerKernels, h: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        store: RopeStore | None, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h: [T, hidden] (before the input norm) → q [T, H, D], k [T, KV, D], v [T, KV, D] (q and k rotated)."""
+        """h: [T, hidden] (before the input norm) → q [T, H, D], k [T, KV, D], v [T, KV, D] (q and k
+        rotated), k and v written to the layer's cache at ``slots`` (by ``store`` in one native call
+        where the model has one)."""
         cfg = self.cfg
         t, hd = h.shape[0], cfg.head_dim
         qkv = self._normed(lk.qkv, h, lk.input_norm)  # [T, q + 2kv]
@@ -205,15 +213,30 @@ class LlamaModel:
         if not self.fast:
             q, k, _ = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q, k = self.rope.apply(q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd), positions)
-            return q, k, v
-        cos, sin = rope  # [T, 1, D] each, in the activation dtype
-        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, hd)
-        qk = torch.addcmul(qk * cos, torch.roll(qk, hd // 2, dims=-1), sin)  # [T, H + KV, D]
-        return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
+        elif store is not None:
+            qkv = qkv.contiguous()
+            store(qkv, k_cache, v_cache)  # rotates q and k in place, then stores k and v
+            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, hd)
+            v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, hd)
+            return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
+        else:
+            cos, sin = rope  # [T, 1, D] each, in the activation dtype
+            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, hd)
+            qk = torch.addcmul(qk * cos, torch.roll(qk, hd // 2, dims=-1), sin)  # [T, H + KV, D]
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+        write_kv(k_cache, v_cache, slots, k, v)
+        return q, k, v
+
+    def _rope_store(self, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> RopeStore | None:
+        """The forward's native RoPE + cache store (positions and slots checked once), if the model has one."""
+        if not self.native_rope:
+            return None
+        return RopeStore.for_batch(positions, slots, self.rope.cos, self._sin_signed32, self.cfg.num_heads,
+                                   self.cfg.num_kv_heads, cache.k[0].shape[0] * cache.k[0].shape[1])
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.fast:
-            return self._cos[:0], self._cos[:0]  # unused: the reference path indexes per layer
+        if not self.fast or self.native_rope:
+            return self._cos[:0], self._cos[:0]  # unused: indexed per layer (reference) or by the native store
         return self._cos[positions].unsqueeze(1), self._sin_signed[positions].unsqueeze(1)  # [T, 1, D]
 
     def _mlp(self, lk: LayerKernels, h: torch.Tensor) -> torch.Tensor:
@@ -236,9 +259,9 @@ class LlamaModel:
         h = self.embed[batch.token_ids]  # [T, hidden]
         rope = self._rope_tables(batch.positions)
         bs = cache.block_size
+        store = self._rope_store(batch.positions, batch.slots, cache)
         for li, lk in enumerate(self.layers):
-            q, k, v = self._qkv(lk, h, batch.positions, rope)
-            write_kv(cache.k[li], cache.v[li], batch.slots, k, v)
+            q, k, v = self._qkv(lk, h, batch.positions, rope, store, cache.k[li], cache.v[li], batch.slots)
             outs = []
             offset = 0
             for n, start, blocks in zip(batch.seq_lens, batch.start_positions, batch.context_blocks, strict=True):
@@ -270,9 +293,9 @@ class LlamaModel:
         ]
         h = self.embed[batch.token_ids]  # [B, hidden]
         rope = self._rope_tables(batch.positions)
+        store = self._rope_store(batch.positions, batch.slots, cache)
         for li, lk in enumerate(self.layers):
-            q, k, v = self._qkv(lk, h, batch.positions, rope)
-            write_kv(cache.k[li], cache.v[li], batch.slots, k, v)
+            q, _, _ = self._qkv(lk, h, batch.positions, rope, store, cache.k[li], cache.v[li], batch.slots)
             attn = self._grouped_attention(q, cache.k[li], cache.v[li], groups)  # [B, H * D]
             h = lk.o_proj(attn, residual=h)
             h = self._mlp(lk, h)
@@ -319,8 +342,8 @@ class LlamaModel:
         h = self.embed[batch.token_ids]  # [B, hidden]
         b = h.shape[0]
         for li, lk in enumerate(self.layers):
-            q, k, v = self._qkv(lk, h, batch.positions, self._rope_tables(batch.positions))
-            write_kv(cache.k[li], cache.v[li], batch.slots, k, v)
+            q, _, _ = self._qkv(lk, h, batch.positions, self._rope_tables(batch.positions), None, cache.k[li],
+                                cache.v[li], batch.slots)
             attn = decode_attention(q, cache.k[li], cache.v[li], slot_table, valid, self.scale)
             h = lk.o_proj(attn.reshape(b, cfg.q_size), residual=h)
             h = self._mlp(lk, h)

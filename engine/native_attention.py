@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from engine.native_build import CSRC, NativeUnavailable, build, unavailable_reason
+from engine.native_build import CSRC, NativeUnavailable, build_with, unavailable_reason
 
 SOURCE = CSRC / "paged_decode.cpp"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -34,11 +34,7 @@ __all__ = ["NativeUnavailable", "load", "native_error", "native_paged_attention"
 @functools.cache
 def load() -> ctypes.CDLL:
     """The built library (compiled on the first call in any process, ~1 s, then reused)."""
-    lib = build(SOURCE)
-    for name in ("paged_decode_f32", "paged_decode_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = _ARGTYPES, None
-    return lib
+    return build_with(SOURCE, ["paged_decode_f32", "paged_decode_bf16"], _ARGTYPES)
 
 
 def native_error() -> str | None:

@@ -23,7 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
@@ -87,3 +87,12 @@ def unavailable_reason(load: Callable[[], object]) -> str | None:
     except NativeUnavailable as e:
         return str(e)
     return None
+
+
+def build_with(source: Path, names: Sequence[str], argtypes: Sequence[type]) -> ctypes.CDLL:
+    """`build` ``source`` and declare each of ``names`` with ``argtypes`` and no result."""
+    lib = build(source)
+    for name in names:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = list(argtypes), None
+    return lib

@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from engine.native_build import CSRC, build, unavailable_reason
+from engine.native_build import CSRC, build_with, unavailable_reason
 from engine.quant import Int8Linear, Linear, PackedLinear
 
 SOURCE = CSRC / "small_linear.cpp"
@@ -41,12 +41,8 @@ PRE_NONE, PRE_RMS, PRE_GLU = 0, 1, 2
 @functools.cache
 def load() -> ctypes.CDLL:
     """The built library (compiled on the first call in any process, ~2 s, then reused)."""
-    lib = build(SOURCE)
-    for x in _ACTS:
-        for w in _NAMES.values():
-            fn = getattr(lib, f"small_linear_{_NAMES[x]}_{w}")
-            fn.argtypes, fn.restype = _ARGTYPES, None
-    return lib
+    names = [f"small_linear_{_NAMES[x]}_{w}" for x in _ACTS for w in _NAMES.values()]
+    return build_with(SOURCE, names, _ARGTYPES)
 
 
 def native_linear_error() -> str | None:

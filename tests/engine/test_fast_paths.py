@@ -195,3 +195,12 @@ def test_decode_refuses_short_block_table(tiny_dir: Path) -> None:
         r.decode([DecodeSeq(5, 16, [1, 2])])
     with pytest.raises(ValueError, match="cannot hold position 8"):
         r.prefill([PrefillChunk([1] * 9, 0, [3])])
+
+
+def test_eager_rope_and_store_match_reference(tiny_dir: Path) -> None:
+    """The fast path without the native RoPE + cache store (no compiler): roll/addcmul and write_kv."""
+    ref = scenario(runner(tiny_dir, torch.float32, fast=False))
+    r = runner(tiny_dir, torch.float32, fast=True, kernels="packed", decode_attention="block_diagonal")
+    r.model.native_rope = False
+    for a, b in zip(scenario(r), ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
