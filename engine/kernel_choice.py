@@ -159,13 +159,11 @@ def build_linears(
     if mode == "native" and "native" not in builders:
         why = native_linear_error() or f"not for {w0.dtype} weights on {w0.device}"
         raise RuntimeError(f"linear_kernels='native' cannot run here: {why}")
-    if mode != "auto":
-        fmt = mode if mode in builders else next(iter(builders))  # int8 / no oneDNN: the dense modes are moot
+    if mode != "auto" or len(builders) == 1:
+        # pinned, or nothing to choose from; int8 / no oneDNN: the dense modes are moot, the default runs
+        fmt = mode if mode in builders else next(iter(builders))
         kernels = [builders[fmt](w, b) for w, b in pairs]
         return kernels, KernelChoice(name, out_f, in_f, len(weights), fmt)
-    if len(builders) == 1:
-        fmt, make = next(iter(builders.items()))
-        return [make(w, b) for w, b in pairs], KernelChoice(name, out_f, in_f, len(weights), fmt)
     built, ms = time_formats(weights, biases, builders)
     fmt = pick(ms, margin)
     return built[fmt], KernelChoice(name, out_f, in_f, len(weights), fmt, ms)

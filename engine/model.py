@@ -124,8 +124,8 @@ class LlamaModel:
         half = cfg.head_dim // 2
         # rotate_half(x) * sin == roll(x, half) * [-sin | sin]: one table, no negation per step.
         self._cos = self.rope.cos.to(self.dtype)  # [P, D]
-        self._sin_signed = torch.cat([-self.rope.sin[:, :half], self.rope.sin[:, half:]], -1).to(self.dtype)
-        self._sin_signed32 = torch.cat([-self.rope.sin[:, :half], self.rope.sin[:, half:]], -1).contiguous()  # fp32
+        self._sin_signed32 = torch.cat([-self.rope.sin[:, :half], self.rope.sin[:, half:]], -1)  # [P, D] fp32
+        self._sin_signed = self._sin_signed32.to(self.dtype)
         self.scale = cfg.head_dim**-0.5
         # RoPE + cache store in one native call per layer (`engine.native_rope`) where it builds.
         self.native_rope = (self.fast and self.device.type == "cpu" and cfg.head_dim <= MAX_HEAD_DIM
@@ -209,15 +209,15 @@ class LlamaModel:
         cfg = self.cfg
         t, hd = h.shape[0], cfg.head_dim
         qkv = self._normed(lk.qkv, h, lk.input_norm)  # [T, q + 2kv]
+        if store is not None:
+            qkv = qkv.contiguous()  # the native store rotates it in place
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, hd)
         if not self.fast:
             q, k, _ = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q, k = self.rope.apply(q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd), positions)
         elif store is not None:
-            qkv = qkv.contiguous()
             store(qkv, k_cache, v_cache)  # rotates q and k in place, then stores k and v
             qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, hd)
-            v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, hd)
             return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
         else:
             cos, sin = rope  # [T, 1, D] each, in the activation dtype

@@ -153,7 +153,7 @@ class PackedLinear(Linear):
 class UpcastLinear(Linear):
     """bf16 weight on a CPU without bf16 matmul kernels (no AVX-512 BF16/AVX-NE-CONVERT: oneDNN cannot
     prepack it, and ``F.linear`` in bf16 ran at ~18 GFLOP/s on a 2-core AVX2 EPYC where fp32 ran at
-    ~140): more than ``upcast_min_rows`` rows run in fp32 on a copy of the weight upcast for the
+    ~140): ``upcast_min_rows`` rows or more run in fp32 on a copy of the weight upcast for the
     call (a read and a write of the weight: small next to a prefill's FLOPs), the result rounded
     back to bf16; fewer rows run as ``F.linear`` in bf16, where the weight read is the cost. The
     stored weight stays bf16, so nothing is kept twice."""
@@ -225,7 +225,7 @@ class Int8Linear(Linear):
         elif onednn_packing_available(torch.bfloat16):
             y = F.linear(xb, self.dequantized(), self.bias)
         else:  # no bf16 matmul kernels on this CPU (see `UpcastLinear`): the dense product in fp32
-            w = self.qweight.float() * self.scale.float()[:, None]  # [out, in]
+            w = dequantize_int8(self.qweight, self.scale)  # [out, in] fp32
             y = F.linear(xb.float(), w, None if self.bias is None else self.bias.float())
         y = y.to(self.act_dtype)
         return y if residual is None else residual + y
