@@ -39,7 +39,9 @@ from engine.attention_choice import AttentionChoice, choose_decode_attention
 from engine.config import EngineConfig, ModelConfig
 from engine.kernel_choice import KernelChoice, build_linears
 from engine.kv_cache import KVCache
+from engine.native_attention import native_error
 from engine.native_rope import MAX_HEAD_DIM, RopeStore, native_rope_error
+from engine.native_step import NativeDecodeStep, native_step_error
 from engine.quant import Linear
 from engine.rope import RotaryEmbedding
 from engine.weights import ModelWeights
@@ -179,6 +181,27 @@ class LlamaModel:
         self.lm_head = head[0]
         if choice is not None:
             self.kernel_choices.append(choice)
+        # Every layer and the lm_head in one native call for small decode batches (`engine.native_step`),
+        # where every piece of the per-layer native path is there and the attention is not pinned to another.
+        self.native_step: NativeDecodeStep | None = None
+        self.native_step_error = self._native_step_error()
+        if self.native_step_error is None:
+            self.native_step = NativeDecodeStep(
+                [(lk.qkv, lk.o_proj, lk.gate_up, lk.down) for lk in self.layers], self.lm_head,
+                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                eps=cfg.rms_norm_eps, dtype=self.dtype,
+            )
+
+    def _native_step_error(self) -> str | None:
+        choice = self.attention_choice
+        if not self.native_rope or choice is None:
+            return "not the native fast path (reference path, not a CPU, or no native RoPE + store)"
+        if not choice.ms and "native" not in (choice.method, choice.small_method):
+            return f"decode attention pinned to {choice.method!r}"
+        if (err := native_error()) is not None:
+            return f"no native decode attention: {err}"
+        linears = [k for lk in self.layers for k in (lk.qkv, lk.o_proj, lk.gate_up, lk.down)] + [self.lm_head]
+        return native_step_error(linears, self.dtype)
 
     def weight_nbytes(self) -> int:
         """Bytes one forward streams for the weights: the linear layers' (norm gains too on the
@@ -294,6 +317,8 @@ class LlamaModel:
         h = self.embed[batch.token_ids]  # [B, hidden]
         rope = self._rope_tables(batch.positions)
         store = self._rope_store(batch.positions, batch.slots, cache)
+        if self.native_step is not None and store is not None and b <= self.native_step.max_rows:
+            return self.native_step(h, store, batch.block_table, cache.k, cache.v).float()  # same as the loop below
         for li, lk in enumerate(self.layers):
             q, _, _ = self._qkv(lk, h, batch.positions, rope, store, cache.k[li], cache.v[li], batch.slots)
             attn = self._grouped_attention(q, cache.k[li], cache.v[li], groups)  # [B, H * D]

@@ -5,8 +5,9 @@ library cached under ``~/.cache/pdserve/native`` (``PDSERVE_NATIVE_CACHE`` overr
 with ctypes, and `NativeUnavailable`, the reason a kernel cannot run here. Used by
 `engine.native_attention` and `engine.native_linear`; each caches its own loaded library.
 
-Invariants: a library's name carries a hash of its source, the flags, the compiler's version and
-this CPU's flags (``-march=native``), so a stale or foreign build is never loaded; it is written to
+Invariants: a library's name carries a hash of its source and the local headers it includes, the
+flags, the compiler's version and this CPU's flags (``-march=native``), so a stale or foreign build
+is never loaded; it is written to
 a temporary name and renamed, so concurrent processes never load a half-written file; a failed
 build leaves nothing behind. No ``-ffast-math``: its crtfastmath.o sets flush-to-zero /
 denormals-are-zero for the whole process when the library loads (`test_native_attention` checks
@@ -20,6 +21,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -27,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -48,6 +51,20 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _sources(source: Path) -> list[str]:
+    """The text of ``source`` and of every local header it includes (``#include "x.h"``, recursively,
+    each once): what the build's hash covers, so editing a header rebuilds every kernel that uses it."""
+    seen: list[Path] = []
+    todo = [source]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.append(path)
+        todo += [path.parent / m for m in _LOCAL_INCLUDE.findall(path.read_text())]
+    return [p.read_text() for p in seen]
+
+
 def build(source: Path) -> ctypes.CDLL:
     """``source`` compiled for this machine (~1-3 s the first time in any process, then reused) and loaded."""
     cxx = os.environ.get("CXX", "c++")
@@ -57,8 +74,8 @@ def build(source: Path) -> ctypes.CDLL:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"{cxx} --version failed: {e}") from e
-    text = source.read_text()
-    key = hashlib.sha256("\n".join([text, " ".join(FLAGS), version, _cpu_flags(), platform.machine()]).encode())
+    key = hashlib.sha256("\n".join([*_sources(source), " ".join(FLAGS), version, _cpu_flags(),
+                                     platform.machine()]).encode())
     out = cache_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

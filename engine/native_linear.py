@@ -84,6 +84,11 @@ class NativeLinear(Linear):
     def nbytes(self) -> int:
         return self.base.nbytes
 
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What the kernel reads: the weight [out, in] (fp32, bf16 or int8) and the fp32 scale and bias
+        [out] (None where absent), for callers that run it from C++ (`engine.native_step`)."""
+        return self._w, self._scale, self._bias
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in] → [T, out] (+ residual [T, out])."""
         if x.shape[0] > self.max_rows:

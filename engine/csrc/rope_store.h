@@ -1,0 +1,41 @@
+// RoPE on the new tokens' q and k, in place in the qkv projection's output, and k, v stored into the
+// paged cache at each token's slot: what follows every layer's qkv product, in one call. Built by
+// `engine.native_rope`.
+//
+// Layout: qkv [T, (H + 2 KV) * D] fp32 or bf16 (raw uint16 bits), row-major: q heads, then k heads,
+// then v heads; cos / sin [P, D] fp32 (sin with its first half negated: rotate_half(x) * sin ==
+// roll(x, D / 2) * sin_signed); pos [T] int64 in [0, P); slots [T] int64 in [0, num_blocks * BS);
+// k / v caches [num_blocks, BS, KV, D] in qkv's dtype, so slot s is row s of a [slots, KV * D] view.
+// Head h (q or k) becomes x * cos[pos] + roll(x, D / 2) * sin[pos], in fp32, rounded once to bf16.
+// The caller checks every index (the kernel trusts them).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+static inline float ld(const float* p) { return *p; }
+static inline float ld(const uint16_t* p) { uint32_t u = (uint32_t)*p << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static inline void st(float* p, float v) { *p = v; }
+static inline void st(uint16_t* p, float v) {  // fp32 -> bf16, round to nearest even (NaN stays NaN)
+  uint32_t u; std::memcpy(&u, &v, 4);
+  *p = std::isnan(v) ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+template <typename X>
+static void rope_store(X* qkv, const float* cos, const float* sin, const int64_t* pos, const int64_t* slots,
+                       X* kc, X* vc, int64_t T, int64_t H, int64_t KV, int64_t D) {
+  const int64_t width = (H + 2 * KV) * D, half = D / 2, kv = KV * D;
+  float tmp[1024];  // one head (D <= 1024, checked by the caller)
+  for (int64_t t = 0; t < T; ++t) {
+    X* row = qkv + t * width;
+    const float* c = cos + pos[t] * D;
+    const float* s = sin + pos[t] * D;
+    for (int64_t h = 0; h < H + KV; ++h) {  // q heads, then k heads
+      X* x = row + h * D;
+      for (int64_t i = 0; i < D; ++i) tmp[i] = ld(x + i);
+      for (int64_t i = 0; i < D; ++i) st(x + i, tmp[i] * c[i] + tmp[i < half ? i + half : i - half] * s[i]);
+    }
+    std::memcpy(kc + slots[t] * kv, row + H * D, sizeof(X) * kv);
+    std::memcpy(vc + slots[t] * kv, row + (H + KV) * D, sizeof(X) * kv);
+  }
+}

@@ -1,0 +1,169 @@
+// y = pre(x) @ W.T * scale (+ bias) (+ residual) for a few rows of x: the decode-step linear layer,
+// a matrix-vector product bound by the read of W. Built by `engine.native_linear`.
+//
+// Layout: x [M, Kx] fp32 or bf16 (raw uint16 bits), row-major; W [N, K] fp32, bf16 or int8, row-major;
+// scale [N] fp32 or null (int8: the per-output-channel scale); bias [N] fp32 or null; residual [M, N]
+// in y's dtype or null; y [M, N] in x's dtype. pre: 0 = x as is (Kx = K); 1 = RMSNorm without gain
+// (x * rsqrt(mean(x^2) + eps), Kx = K: the gain lives in W); 2 = GLU, silu(x[:, :K]) * x[:, K:]
+// (Kx = 2K). Every sum is fp32.
+//
+// How: pre(x) is computed once into an fp32 scratch [M, K] (tiny: it stays in L1/L2); the N output
+// channels are split into contiguous ranges, one per thread, so each thread streams its part of W
+// once; each weight vector loaded is used for up to 4 rows of x (rows in chunks of 4); with one row
+// four weight rows run side by side, with more rows two (independent FMA chains, and read streams
+// far apart in memory: see the note above the parallel region). Vectors are GCC vector extensions of 8 floats: AVX2 / AVX-512 / NEON code from one
+// source under -march=native; no -ffast-math (it would set flush-to-zero for the whole process),
+// the reductions are written out as explicit vector accumulators instead.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+typedef float f8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+enum { PRE_NONE = 0, PRE_RMS = 1, PRE_GLU = 2 };  // pre(x): as is, RMSNorm, GLU
+
+static inline f8 load8(const float* p) { f8 v; std::memcpy(&v, p, sizeof v); return v; }
+#if defined(__AVX2__)
+#include <immintrin.h>
+// One widening load each (vpmovzxwd / vpmovsxbd): what the generic versions below compile to in two halves.
+static inline f8 load8(const uint16_t* p) {
+  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+  return (f8)_mm256_castsi256_ps(w);
+}
+static inline f8 load8(const int8_t* p) {
+  return (f8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+#else
+static inline f8 load8(const uint16_t* p) {
+  u16x8 h; std::memcpy(&h, p, sizeof h);
+  u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  f8 v; std::memcpy(&v, &w, sizeof v); return v;
+}
+static inline f8 load8(const int8_t* p) {
+  i8x8 b; std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(__builtin_convertvector(b, i32x8), f8);
+}
+#endif
+static inline float load1(const float* p) { return *p; }
+static inline float load1(const uint16_t* p) { uint32_t u = (uint32_t)*p << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static inline float load1(const int8_t* p) { return (float)*p; }
+static inline float hsum(f8 v) {
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+static inline void store1(float* p, float v) { *p = v; }
+static inline void store1(uint16_t* p, float v) {  // fp32 -> bf16, round to nearest even (NaN stays NaN)
+  uint32_t u; std::memcpy(&u, &v, 4);
+  *p = std::isnan(v) ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// out[m][r] = xs[m] . rows[r] over K, for M rows of xs (row stride K) and R weight rows.
+template <typename W, int M, int R>
+static inline void dots(const float* xs, const W* const* rows, int64_t K, float out[4][4]) {
+  f8 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = f8{};
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    f8 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = load8(rows[r] + k);
+    for (int m = 0; m < M; ++m) {
+      const f8 xv = load8(xs + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] += xv * wv[r];
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[m][r]);
+      for (int64_t k = K8; k < K; ++k) s += xs[m * K + k] * load1(rows[r] + k);
+      out[m][r] = s;
+    }
+}
+
+// `dots` with the row count as a compile-time constant (1..4), so every accumulator is a register.
+template <typename W, int R>
+static inline void dots_n(int M, const float* xs, const W* const* rows, int64_t K, float out[4][4]) {
+  switch (M) {
+    case 1: dots<W, 1, R>(xs, rows, K, out); break;
+    case 2: dots<W, 2, R>(xs, rows, K, out); break;
+    case 3: dots<W, 3, R>(xs, rows, K, out); break;
+    default: dots<W, 4, R>(xs, rows, K, out); break;
+  }
+}
+
+template <typename X, typename W>
+static void small_linear(const X* x, const W* w, const float* scale, const float* bias, const X* residual, X* y,
+                         int64_t M, int64_t N, int64_t K, int pre, float eps, int nthreads) {
+  std::vector<float> xs(M * K);  // pre(x) [M, K] fp32
+  for (int64_t m = 0; m < M; ++m) {
+    float* d = xs.data() + m * K;
+    if (pre == 2) {
+      const X* g = x + m * 2 * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const float a = load1(g + k);
+        d[k] = a / (1.f + std::exp(-a)) * load1(g + K + k);
+      }
+      continue;
+    }
+    const X* s = x + m * K;
+    for (int64_t k = 0; k < K; ++k) d[k] = load1(s + k);
+    if (pre == 1) {
+      float ss = 0.f;
+      for (int64_t k = 0; k < K; ++k) ss += d[k] * d[k];
+      const float inv = 1.f / std::sqrt(ss / (float)K + eps);
+      for (int64_t k = 0; k < K; ++k) d[k] *= inv;
+    }
+  }
+  auto emit = [&](const int64_t* cols, int rc, int64_t m0, int mc, const float out[4][4]) {
+    for (int r = 0; r < rc; ++r) {
+      const int64_t c = cols[r];
+      const float sc = scale ? scale[c] : 1.f, bi = bias ? bias[c] : 0.f;
+      for (int m = 0; m < mc; ++m) {
+        const int64_t i = (m0 + m) * N + c;
+        store1(y + i, out[m][r] * sc + bi + (residual ? load1(residual + i) : 0.f));
+      }
+    }
+  };
+  // Each thread takes a contiguous range of output channels and reads it as S streams, a quarter
+  // (one row of x) or a half (more rows) of the range apart: a short weight row (K = 576: 1-2 KB)
+  // read as one stream got about half the bandwidth of four far-apart ones.
+  const int S = M == 1 ? 4 : 2;
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t a = N * t / T, b = N * (t + 1) / T, q = (b - a + S - 1) / S;
+    float out[4][4];
+    for (int64_t i = 0; i < q; ++i) {
+      int64_t cols[4];
+      const W* rows[4];
+      int rc = 0;
+      for (int st = 0; st < S; ++st) {
+        const int64_t c = a + st * q + i;
+        if (c < b) { cols[rc] = c; rows[rc] = w + c * K; ++rc; }
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mc = (int)(M - m0 < 4 ? M - m0 : 4);
+        const float* xm = xs.data() + m0 * K;
+        if (rc == S && S == 4) dots<W, 1, 4>(xm, rows, K, out);
+        else if (rc == S) dots_n<W, 2>(mc, xm, rows, K, out);
+        else {
+          for (int r = 0; r < rc; ++r) {
+            float one[4][4];
+            dots_n<W, 1>(mc, xm, rows + r, K, one);
+            for (int m = 0; m < mc; ++m) out[m][r] = one[m][0];
+          }
+        }
+        emit(cols, rc, m0, mc, out);
+      }
+    }
+  }
+}
