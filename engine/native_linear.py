@@ -11,11 +11,13 @@ product cost a dispatcher call each. On a 2-core AVX2 EPYC (torch 2.13) the kern
 bf16), and oneDNN cannot prepack bf16 there at all. It also fuses what sits next to the product:
 the RMSNorm before qkv, gate_up and the lm_head (`normed`: the gain is already folded into the
 weight), silu(gate) * up before down (`glu`), the residual add after o_proj and down, the bias and
-the int8 scale; all of it in fp32, rounded once to the activation dtype.
+the int8 scale; all of it in fp32, rounded once to the activation dtype. With int8 weights on AVX2 the
+products are exact integer sums (vpmaddwd) over the prologue's output rounded to int16 per row: half
+the instructions of widening every weight to fp32, which bound that kernel below the read.
 
 Invariants: computes what the wrapped kernel computes (``F.linear`` of its weight, the int8 one
-dequantized with the same scales) up to fp32 reassociation and one rounding to the activation
-dtype; x and residual are 2-D CPU tensors in fp32 or bf16 (checked: the kernel trusts its
+dequantized with the same scales) up to fp32 reassociation, the int16 rounding of x for int8
+weights (|dy| <= sum |w| * max |x| / 65534) and one rounding to the activation dtype; x and residual are 2-D CPU tensors in fp32 or bf16 (checked: the kernel trusts its
 pointers); the weight is never copied (the wrapped kernel owns it); no per-call state, so threads
 may share one kernel; runs on ``torch.get_num_threads()`` threads of torch's OpenMP runtime.
 """

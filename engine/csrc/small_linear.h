@@ -5,7 +5,8 @@
 // scale [N] fp32 or null (int8: the per-output-channel scale); bias [N] fp32 or null; residual [M, N]
 // in y's dtype or null; y [M, N] in x's dtype. pre: 0 = x as is (Kx = K); 1 = RMSNorm without gain
 // (x * rsqrt(mean(x^2) + eps), Kx = K: the gain lives in W); 2 = GLU, silu(x[:, :K]) * x[:, K:]
-// (Kx = 2K). Every sum is fp32.
+// (Kx = 2K). Every sum is fp32, except int8 weights on AVX2: exact integer sums over pre(x) rounded
+// to int16 per row (max |x| -> 32767; finer than bf16 activations unless max |x| > ~250 x the row's rms).
 //
 // How: pre(x) is computed once into an fp32 scratch [M, K] (tiny: it stays in L1/L2); the N output
 // channels are split into contiguous ranges, one per thread, so each thread streams its part of W
@@ -15,9 +16,11 @@
 // source under -march=native; no -ffast-math (it would set flush-to-zero for the whole process),
 // the reductions are written out as explicit vector accumulators instead.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -66,9 +69,67 @@ static inline void store1(uint16_t* p, float v) {  // fp32 -> bf16, round to nea
   *p = std::isnan(v) ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-// out[m][r] = xs[m] . rows[r] over K, for M rows of xs (row stride K) and R weight rows.
+// The rows of pre(x) a product reads: fp32 [M, K] (f); for int8 weights on AVX2 also int16 [M, K]
+// (q) with one fp32 scale per row (s): q[m][k] = round(f[m][k] / s[m]), s[m] = max_k |f[m][k]| / 32767.
+struct XRows {
+  const float* f;
+  const int16_t* q;
+  const float* s;
+};
+
+#if defined(__AVX2__)
+static inline int64_t hsum_i32(__m256i v) {
+  int32_t l[8];
+  std::memcpy(l, &v, sizeof l);
+  int64_t s = 0;
+  for (int i = 0; i < 8; ++i) s += l[i];
+  return s;
+}
+
+// out[m][r] = s[m] * (q[m] . rows[r]) for int8 weight rows, the dot product exact in integers:
+// vpmaddwd multiplies 16 int16 pairs into 8 int32 pair sums (|pair| <= 2 * 127 * 32767 < 2^23), so
+// an int32 lane takes 128 of them (2,048 values of K) before it is flushed into an int64 total.
+// Half the instructions of widening each weight to fp32 for an FMA (the int8 kernel was bound by
+// them, not by the read).
+template <int M, int R>
+static inline void dots_i16(const int16_t* q, const float* s, const int8_t* const* rows, int64_t K,
+                            float out[4][4]) {
+  int64_t tot[M][R] = {};
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t k0 = 0; k0 < K16; k0 += 2048) {
+    const int64_t k1 = K16 < k0 + 2048 ? K16 : k0 + 2048;
+    __m256i acc[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k1; k += 16) {
+      __m256i wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(rows[r] + k)));
+      for (int m = 0; m < M; ++m) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(q + m * K + k));
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(xv, wv[r]));
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) tot[m][r] += hsum_i32(acc[m][r]);
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      for (int64_t k = K16; k < K; ++k) tot[m][r] += (int64_t)q[m * K + k] * rows[r][k];
+      out[m][r] = (float)((double)tot[m][r] * s[m]);
+    }
+}
+#endif
+
+// out[m][r] = x[m0 + m] . rows[r] over K, for M rows of x (row stride K) and R weight rows.
 template <typename W, int M, int R>
-static inline void dots(const float* xs, const W* const* rows, int64_t K, float out[4][4]) {
+static inline void dots(const XRows& x, int64_t m0, const W* const* rows, int64_t K, float out[4][4]) {
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<W, int8_t>) {
+    dots_i16<M, R>(x.q + m0 * K, x.s + m0, rows, K, out);
+    return;
+  }
+#endif
+  const float* xs = x.f + m0 * K;
   f8 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = f8{};
@@ -91,12 +152,12 @@ static inline void dots(const float* xs, const W* const* rows, int64_t K, float 
 
 // `dots` with the row count as a compile-time constant (1..4), so every accumulator is a register.
 template <typename W, int R>
-static inline void dots_n(int M, const float* xs, const W* const* rows, int64_t K, float out[4][4]) {
+static inline void dots_n(int M, const XRows& x, int64_t m0, const W* const* rows, int64_t K, float out[4][4]) {
   switch (M) {
-    case 1: dots<W, 1, R>(xs, rows, K, out); break;
-    case 2: dots<W, 2, R>(xs, rows, K, out); break;
-    case 3: dots<W, 3, R>(xs, rows, K, out); break;
-    default: dots<W, 4, R>(xs, rows, K, out); break;
+    case 1: dots<W, 1, R>(x, m0, rows, K, out); break;
+    case 2: dots<W, 2, R>(x, m0, rows, K, out); break;
+    case 3: dots<W, 3, R>(x, m0, rows, K, out); break;
+    default: dots<W, 4, R>(x, m0, rows, K, out); break;
   }
 }
 
@@ -123,6 +184,26 @@ static void small_linear(const X* x, const W* w, const float* scale, const float
       for (int64_t k = 0; k < K; ++k) d[k] *= inv;
     }
   }
+  std::vector<int16_t> xq;  // int8 weights on AVX2: pre(x) as int16 [M, K] and a scale per row (`XRows`)
+  std::vector<float> sx;
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<W, int8_t>) {
+    xq.resize(M * K);
+    sx.resize(M);
+    for (int64_t m = 0; m < M; ++m) {
+      const float* d = xs.data() + m * K;
+      float mx = 0.f;
+      for (int64_t k = 0; k < K; ++k) mx = std::max(mx, std::fabs(d[k]));
+      sx[m] = mx > 0.f ? mx / 32767.f : 1.f;
+      const float inv = 1.f / sx[m];
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = std::nearbyint(d[k] * inv);
+        xq[m * K + k] = (int16_t)(v > 32767.f ? 32767.f : v < -32767.f ? -32767.f : v);
+      }
+    }
+  }
+#endif
+  const XRows xr{xs.data(), xq.data(), sx.data()};
   auto emit = [&](const int64_t* cols, int rc, int64_t m0, int mc, const float out[4][4]) {
     for (int r = 0; r < rc; ++r) {
       const int64_t c = cols[r];
@@ -152,13 +233,12 @@ static void small_linear(const X* x, const W* w, const float* scale, const float
       }
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int mc = (int)(M - m0 < 4 ? M - m0 : 4);
-        const float* xm = xs.data() + m0 * K;
-        if (rc == S && S == 4) dots<W, 1, 4>(xm, rows, K, out);
-        else if (rc == S) dots_n<W, 2>(mc, xm, rows, K, out);
+        if (rc == S && S == 4) dots<W, 1, 4>(xr, m0, rows, K, out);
+        else if (rc == S) dots_n<W, 2>(mc, xr, m0, rows, K, out);
         else {
           for (int r = 0; r < rc; ++r) {
             float one[4][4];
-            dots_n<W, 1>(mc, xm, rows + r, K, one);
+            dots_n<W, 1>(mc, xr, m0, rows + r, K, one);
             for (int m = 0; m < mc; ++m) out[m][r] = one[m][0];
           }
         }

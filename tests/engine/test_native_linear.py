@@ -34,18 +34,35 @@ def base_kernel(wdtype: str, out: int, inp: int, bias: bool, seed: int = 0) -> L
     return Linear(w.to(dt), None if b is None else b.to(dt))
 
 
-def oracle(base: Linear, x: torch.Tensor, pre: str, residual: torch.Tensor | None) -> torch.Tensor:
-    """float64 F.linear of the weight ``base`` multiplies by, after the prologue, plus the epilogue."""
-    # int8: q * scale, exactly (dequantized() rounds it to bf16)
-    w = base.qweight.double() * base.scale.double()[:, None] if isinstance(base, Int8Linear) else base.weight.double()
+def weight64(base: Linear) -> torch.Tensor:
+    """The weight ``base`` multiplies by, in float64 (int8: q * scale exactly; dequantized() rounds to bf16)."""
+    if isinstance(base, Int8Linear):
+        return base.qweight.double() * base.scale.double()[:, None]
+    return base.weight.double()
+
+
+def prologue64(x: torch.Tensor, pre: str) -> torch.Tensor:
     xd = x.double()
     if pre == "rms":
-        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS)
-    elif pre == "glu":
+        return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS)
+    if pre == "glu":
         gate, up = xd.chunk(2, dim=-1)
-        xd = F.silu(gate) * up
-    y = F.linear(xd, w, None if base.bias is None else base.bias.double())
+        return F.silu(gate) * up
+    return xd
+
+
+def oracle(base: Linear, x: torch.Tensor, pre: str, residual: torch.Tensor | None) -> torch.Tensor:
+    """float64 F.linear of the weight ``base`` multiplies by, after the prologue, plus the epilogue."""
+    y = F.linear(prologue64(x, pre), weight64(base), None if base.bias is None else base.bias.double())
     return y if residual is None else y + residual.double()
+
+
+def int16_rounding_bound(base: Linear, x: torch.Tensor, pre: str) -> torch.Tensor:
+    """[T, out]: how far the int8 kernel may move y by rounding pre(x) to int16 per row (small_linear.h:
+    step s = max |pre(x)| / 32767, so each value moves by at most s / 2): sum_k |w[n, k]| * s / 2."""
+    xd = prologue64(x, pre)
+    step = xd.abs().amax(-1, keepdim=True) / 32767  # [T, 1]
+    return (step / 2) * weight64(base).abs().sum(-1)[None, :]  # [T, out]
 
 
 @needs_cxx
@@ -69,7 +86,24 @@ def test_native_linear_matches_float64_f_linear(wdtype: str, xdtype: torch.dtype
     assert got.dtype == xdtype and got.shape == (rows, out)
     want = oracle(base, x, pre, residual)
     tol = 1e-5 if xdtype == torch.float32 else 1e-2  # bf16: one rounding of the output
-    torch.testing.assert_close(got.double(), want, atol=tol * want.abs().max().item(), rtol=tol)
+    allowed = tol * want.abs().max().item() + tol * want.abs()  # [T, out]
+    if wdtype == "int8":  # exact integer sums over pre(x) rounded to int16 (AVX2), within this bound
+        allowed = allowed + int16_rounding_bound(base, x, pre) * (1 + tol)
+    err = (got.double() - want).abs()
+    assert bool((err <= allowed).all()), (err - allowed).max().item()
+
+
+@needs_cxx
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_sums_do_not_overflow_at_the_worst_case(rows: int) -> None:
+    """Every weight at +127 and every input at the int16 maximum, over K = 8,200 (four flushes of the
+    int32 lanes and a tail): a lane that kept adding past 2,048 values would pass 2^31 at ~4,140."""
+    k = 8200
+    base = make_linear(torch.ones(5, k, dtype=torch.bfloat16), quantization="int8")  # q = 127, scale 1/127
+    x = torch.full((rows, k), 3.0)
+    got = NativeLinear(base)(x)
+    want = oracle(base, x, "none", None)  # 3 * 8200 * (127 * scale) each
+    torch.testing.assert_close(got.double(), want, atol=0, rtol=1e-5)
 
 
 @needs_cxx
