@@ -17,9 +17,10 @@ the instructions of widening every weight to fp32, which bound that kernel below
 
 Invariants: computes what the wrapped kernel computes (``F.linear`` of its weight, the int8 one
 dequantized with the same scales) up to fp32 reassociation, the int16 rounding of x for int8
-weights (|dy| <= sum |w| * max |x| / 65534) and one rounding to the activation dtype; x and residual are 2-D CPU tensors in fp32 or bf16 (checked: the kernel trusts its
-pointers); the weight is never copied (the wrapped kernel owns it); no per-call state, so threads
-may share one kernel; runs on ``torch.get_num_threads()`` threads of torch's OpenMP runtime.
+weights (|dy| <= sum |w| * max |x| / 65534) and one rounding to the activation dtype; x and
+residual are 2-D CPU tensors in fp32 or bf16 (checked: the kernel trusts its pointers); the weight
+is never copied (the wrapped kernel owns it); no per-call state, so threads may share one kernel;
+runs on ``torch.get_num_threads()`` threads of torch's OpenMP runtime.
 """
 
 from __future__ import annotations
