@@ -13,7 +13,9 @@ the RMSNorm before qkv, gate_up and the lm_head (`normed`: the gain is already f
 weight), silu(gate) * up before down (`glu`), the residual add after o_proj and down, the bias and
 the int8 scale; all of it in fp32, rounded once to the activation dtype. With int8 weights on AVX2 the
 products are exact integer sums (vpmaddwd) over the prologue's output rounded to int16 per row: half
-the instructions of widening every weight to fp32, which bound that kernel below the read.
+the instructions of widening every weight to fp32, which bound that kernel below the read. At a
+batch of 32 (gate_up, 3072 x 576) the kernel's tiles beat the wrapped kernel in the same run: fp32
+0.83 x ``F.linear``'s time, bf16 0.57 x `UpcastLinear`'s (which widens the whole weight per call).
 
 Invariants: computes what the wrapped kernel computes (``F.linear`` of its weight, the int8 one
 dequantized with the same scales) up to fp32 reassociation, the int16 rounding of x for int8
@@ -67,7 +69,7 @@ class NativeLinear(Linear):
     """Up to ``max_rows`` rows through the C++ kernel, more through ``base`` (same weight, same results
     up to reassociation). Build with `native_applies` true and `native_linear_error` None."""
 
-    max_rows = 16  # a product per row of x: beyond a few rows oneDNN's blocked GEMM is the faster one
+    max_rows = 64  # beyond a decode batch (prefill chunks) oneDNN's packed GEMM is the faster one
 
     def __init__(self, base: Linear) -> None:
         if not native_applies(base):

@@ -1,4 +1,4 @@
-"""A whole decode step (every layer, then the lm_head) as one C++ call, for up to 16 sequences.
+"""A whole decode step (every layer, then the lm_head) as one C++ call, for up to 64 sequences.
 
 Owns: loading ``engine/csrc/decode_step.cpp`` (built by `engine.native_build` from the same
 headers as the per-layer kernels), `native_step_error`, and `NativeDecodeStep`, which holds the

@@ -10,8 +10,9 @@
 //
 // How: pre(x) is computed once into an fp32 scratch [M, K] (tiny: it stays in L1/L2); the N output
 // channels are split into contiguous ranges, one per thread, so each thread streams its part of W
-// once; each weight vector loaded is used for up to 4 rows of x (rows in chunks of 4); with one row
-// four weight rows run side by side, with more rows two (independent FMA chains, and read streams
+// once; up to 4 rows of x: each weight vector loaded is used for every row; with one row four weight
+// rows run side by side, with 2-4 rows two; beyond 4 rows (`many_rows`) two adjacent weight rows,
+// widened to fp32 once, against chunks of up to 6 rows (independent FMA chains, and read streams
 // far apart in memory: see the note above the parallel region). Vectors are GCC vector extensions of 8 floats: AVX2 / AVX-512 / NEON code from one
 // source under -march=native; no -ffast-math (it would set flush-to-zero for the whole process),
 // the reductions are written out as explicit vector accumulators instead.
@@ -93,7 +94,7 @@ static inline int64_t hsum_i32(__m256i v) {
 // them, not by the read).
 template <int M, int R>
 static inline void dots_i16(const int16_t* q, const float* s, const int8_t* const* rows, int64_t K,
-                            float out[4][4]) {
+                            float out[8][4]) {
   int64_t tot[M][R] = {};
   const int64_t K16 = K & ~int64_t(15);
   for (int64_t k0 = 0; k0 < K16; k0 += 2048) {
@@ -122,7 +123,7 @@ static inline void dots_i16(const int16_t* q, const float* s, const int8_t* cons
 
 // out[m][r] = x[m0 + m] . rows[r] over K, for M rows of x (row stride K) and R weight rows.
 template <typename W, int M, int R>
-static inline void dots(const XRows& x, int64_t m0, const W* const* rows, int64_t K, float out[4][4]) {
+static inline void dots(const XRows& x, int64_t m0, const W* const* rows, int64_t K, float out[8][4]) {
 #if defined(__AVX2__)
   if constexpr (std::is_same_v<W, int8_t>) {
     dots_i16<M, R>(x.q + m0 * K, x.s + m0, rows, K, out);
@@ -152,12 +153,53 @@ static inline void dots(const XRows& x, int64_t m0, const W* const* rows, int64_
 
 // `dots` with the row count as a compile-time constant (1..4), so every accumulator is a register.
 template <typename W, int R>
-static inline void dots_n(int M, const XRows& x, int64_t m0, const W* const* rows, int64_t K, float out[4][4]) {
+static inline void dots_n(int M, const XRows& x, int64_t m0, const W* const* rows, int64_t K, float out[8][4]) {
   switch (M) {
     case 1: dots<W, 1, R>(x, m0, rows, K, out); break;
     case 2: dots<W, 2, R>(x, m0, rows, K, out); break;
     case 3: dots<W, 3, R>(x, m0, rows, K, out); break;
-    default: dots<W, 4, R>(x, m0, rows, K, out); break;
+    case 4: dots<W, 4, R>(x, m0, rows, K, out); break;
+    case 5: dots<W, 5, R>(x, m0, rows, K, out); break;
+    default: dots<W, 6, R>(x, m0, rows, K, out); break;
+  }
+}
+
+// More than 4 rows of x (fp32 or bf16 weights): the product is no longer bound by the read of W but
+// by the FMAs and the loads feeding them. Each thread walks its output channels two adjacent rows
+// at a time, widens a bf16 pair into an fp32 scratch once (not once per chunk of x rows), and runs
+// it against x in balanced chunks of up to 6 rows: 12 accumulators, 8 loads per 12 FMAs.
+template <typename W, typename Emit>
+static void many_rows(const XRows& xr, const W* w, int64_t M, int64_t N, int64_t K, int nthreads, Emit emit) {
+  const int64_t chunks = (M + 5) / 6, MC = (M + chunks - 1) / chunks;
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t a = N * t / T, b = N * (t + 1) / T;
+    std::vector<float> wb(std::is_same_v<W, float> ? 0 : 2 * K);  // [2, K] widened weight rows
+    float out[8][4];
+    for (int64_t c = a; c < b; c += 2) {
+      const int rc = b - c < 2 ? 1 : 2;
+      const float* rows[2];
+      int64_t cols[2] = {c, c + 1};
+      for (int r = 0; r < rc; ++r) {
+        if constexpr (std::is_same_v<W, float>) {
+          rows[r] = w + (c + r) * K;
+        } else {
+          float* d = wb.data() + r * K;
+          const W* src = w + (c + r) * K;
+          const int64_t K8 = K & ~int64_t(7);
+          for (int64_t k = 0; k < K8; k += 8) { const f8 v = load8(src + k); std::memcpy(d + k, &v, sizeof v); }
+          for (int64_t k = K8; k < K; ++k) d[k] = load1(src + k);
+          rows[r] = d;
+        }
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += MC) {
+        const int mc = (int)(M - m0 < MC ? M - m0 : MC);
+        if (rc == 2) dots_n<float, 2>(mc, xr, m0, rows, K, out);
+        else dots_n<float, 1>(mc, xr, m0, rows, K, out);
+        emit(cols, rc, m0, mc, out);
+      }
+    }
   }
 }
 
@@ -204,7 +246,7 @@ static void small_linear(const X* x, const W* w, const float* scale, const float
   }
 #endif
   const XRows xr{xs.data(), xq.data(), sx.data()};
-  auto emit = [&](const int64_t* cols, int rc, int64_t m0, int mc, const float out[4][4]) {
+  auto emit = [&](const int64_t* cols, int rc, int64_t m0, int mc, const float out[8][4]) {
     for (int r = 0; r < rc; ++r) {
       const int64_t c = cols[r];
       const float sc = scale ? scale[c] : 1.f, bi = bias ? bias[c] : 0.f;
@@ -214,6 +256,9 @@ static void small_linear(const X* x, const W* w, const float* scale, const float
       }
     }
   };
+  if constexpr (!std::is_same_v<W, int8_t>) {
+    if (M > 4) { many_rows(xr, w, M, N, K, nthreads, emit); return; }
+  }
   // Each thread takes a contiguous range of output channels and reads it as S streams, a quarter
   // (one row of x) or a half (more rows) of the range apart: a short weight row (K = 576: 1-2 KB)
   // read as one stream got about half the bandwidth of four far-apart ones.
@@ -222,7 +267,7 @@ static void small_linear(const X* x, const W* w, const float* scale, const float
   {
     const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t a = N * t / T, b = N * (t + 1) / T, q = (b - a + S - 1) / S;
-    float out[4][4];
+    float out[8][4];
     for (int64_t i = 0; i < q; ++i) {
       int64_t cols[4];
       const W* rows[4];

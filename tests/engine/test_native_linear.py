@@ -2,7 +2,8 @@
 
 Every weight format (fp32, bf16, int8 + scales) and activation dtype, each fused prologue (none,
 RMSNorm without gain, silu(gate) * up) and epilogue (bias, residual), row counts on both sides of the
-kernel's chunk of 4 rows and of ``max_rows`` (where the wrapped kernel takes over, bit for bit), and
+kernel's chunk of 4 rows, in balanced chunks of up to 6 beyond 4 rows (33: five of 6 and one of 3),
+and of ``max_rows`` (where the wrapped kernel takes over, bit for bit), and
 shapes that are not multiples of the vector width or the stream count. Then what it refuses, and the
 kernel choice: pinned ``"native"`` is obeyed, refused with the reason where no compiler exists.
 """
@@ -69,9 +70,10 @@ def int16_rounding_bound(base: Linear, x: torch.Tensor, pre: str) -> torch.Tenso
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pre", ["none", "rms", "glu"])
-@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 20, 33])
 def test_native_linear_matches_float64_f_linear(wdtype: str, xdtype: torch.dtype, pre: str, rows: int) -> None:
-    out, inp = 37, 20  # 37: not a multiple of the 4 streams; 20: a vector of 8 and a scalar tail of 4
+    # 37: not a multiple of the 4 streams nor of the 2 adjacent rows beyond 4; 20: a vector of 8, a tail of 4
+    out, inp = 37, 20
     base = base_kernel(wdtype, out, inp, bias=rows % 2 == 1, seed=rows)
     lin = NativeLinear(base)
     g = torch.Generator().manual_seed(100 + rows)
