@@ -69,7 +69,7 @@ class NativeLinear(Linear):
     """Up to ``max_rows`` rows through the C++ kernel, more through ``base`` (same weight, same results
     up to reassociation). Build with `native_applies` true and `native_linear_error` None."""
 
-    max_rows = 64  # beyond a decode batch (prefill chunks) oneDNN's packed GEMM is the faster one
+    max_rows = 64  # timed faster than the wrapped kernel up to 64 rows; more (prefill chunks) go to it
 
     def __init__(self, base: Linear) -> None:
         if not native_applies(base):

@@ -11,9 +11,9 @@
 // How: pre(x) is computed once into an fp32 scratch [M, K] (tiny: it stays in L1/L2); the N output
 // channels are split into contiguous ranges, one per thread, so each thread streams its part of W
 // once; up to 4 rows of x: each weight vector loaded is used for every row; with one row four weight
-// rows run side by side, with 2-4 rows two; beyond 4 rows (`many_rows`) two adjacent weight rows,
-// widened to fp32 once, against chunks of up to 6 rows (independent FMA chains, and read streams
-// far apart in memory: see the note above the parallel region). Vectors are GCC vector extensions of 8 floats: AVX2 / AVX-512 / NEON code from one
+// rows run side by side, with 2-4 rows two (independent FMA chains, and read streams far apart in
+// memory: see the note above the parallel region); beyond 4 rows (`many_rows`) two adjacent weight
+// rows, widened to fp32 once, against chunks of up to 6 rows. Vectors are GCC vector extensions of 8 floats: AVX2 / AVX-512 / NEON code from one
 // source under -march=native; no -ffast-math (it would set flush-to-zero for the whole process),
 // the reductions are written out as explicit vector accumulators instead.
 #pragma once
@@ -151,7 +151,7 @@ static inline void dots(const XRows& x, int64_t m0, const W* const* rows, int64_
     }
 }
 
-// `dots` with the row count as a compile-time constant (1..4), so every accumulator is a register.
+// `dots` with the row count as a compile-time constant (1..6), so every accumulator is a register.
 template <typename W, int R>
 static inline void dots_n(int M, const XRows& x, int64_t m0, const W* const* rows, int64_t K, float out[8][4]) {
   switch (M) {
