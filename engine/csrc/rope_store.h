@@ -13,13 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
-static inline float ld(const float* p) { return *p; }
-static inline float ld(const uint16_t* p) { uint32_t u = (uint32_t)*p << 16; float f; std::memcpy(&f, &u, 4); return f; }
-static inline void st(float* p, float v) { *p = v; }
-static inline void st(uint16_t* p, float v) {  // fp32 -> bf16, round to nearest even (NaN stays NaN)
-  uint32_t u; std::memcpy(&u, &v, 4);
-  *p = std::isnan(v) ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
+#include "vec8.h"
+
 
 template <typename X>
 static void rope_store(X* qkv, const float* cos, const float* sin, const int64_t* pos, const int64_t* slots,
@@ -32,8 +27,8 @@ static void rope_store(X* qkv, const float* cos, const float* sin, const int64_t
     const float* s = sin + pos[t] * D;
     for (int64_t h = 0; h < H + KV; ++h) {  // q heads, then k heads
       X* x = row + h * D;
-      for (int64_t i = 0; i < D; ++i) tmp[i] = ld(x + i);
-      for (int64_t i = 0; i < D; ++i) st(x + i, tmp[i] * c[i] + tmp[i < half ? i + half : i - half] * s[i]);
+      for (int64_t i = 0; i < D; ++i) tmp[i] = load1(x + i);
+      for (int64_t i = 0; i < D; ++i) store1(x + i, tmp[i] * c[i] + tmp[i < half ? i + half : i - half] * s[i]);
     }
     std::memcpy(kc + slots[t] * kv, row + H * D, sizeof(X) * kv);
     std::memcpy(vc + slots[t] * kv, row + (H + KV) * D, sizeof(X) * kv);

@@ -26,49 +26,9 @@
 
 #include <omp.h>
 
-typedef float f8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-typedef int8_t i8x8 __attribute__((vector_size(8)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
+#include "vec8.h"
 
 enum { PRE_NONE = 0, PRE_RMS = 1, PRE_GLU = 2 };  // pre(x): as is, RMSNorm, GLU
-
-static inline f8 load8(const float* p) { f8 v; std::memcpy(&v, p, sizeof v); return v; }
-#if defined(__AVX2__)
-#include <immintrin.h>
-// One widening load each (vpmovzxwd / vpmovsxbd): what the generic versions below compile to in two halves.
-static inline f8 load8(const uint16_t* p) {
-  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
-  return (f8)_mm256_castsi256_ps(w);
-}
-static inline f8 load8(const int8_t* p) {
-  return (f8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-#else
-static inline f8 load8(const uint16_t* p) {
-  u16x8 h; std::memcpy(&h, p, sizeof h);
-  u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  f8 v; std::memcpy(&v, &w, sizeof v); return v;
-}
-static inline f8 load8(const int8_t* p) {
-  i8x8 b; std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(__builtin_convertvector(b, i32x8), f8);
-}
-#endif
-static inline float load1(const float* p) { return *p; }
-static inline float load1(const uint16_t* p) { uint32_t u = (uint32_t)*p << 16; float f; std::memcpy(&f, &u, 4); return f; }
-static inline float load1(const int8_t* p) { return (float)*p; }
-static inline float hsum(f8 v) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
-}
-static inline void store1(float* p, float v) { *p = v; }
-static inline void store1(uint16_t* p, float v) {  // fp32 -> bf16, round to nearest even (NaN stays NaN)
-  uint32_t u; std::memcpy(&u, &v, 4);
-  *p = std::isnan(v) ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
 
 // The rows of pre(x) a product reads: fp32 [M, K] (f); for int8 weights on AVX2 also int16 [M, K]
 // (q) with one fp32 scale per row (s): q[m][k] = round(f[m][k] / s[m]), s[m] = max_k |f[m][k]| / 32767.

@@ -78,6 +78,37 @@ def test_explicit_lengths_and_a_built_library_is_reused(fresh_build: Path) -> No
 
 
 @needs_cxx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 12])  # the two unrolled kernels, and any D (scalar)
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("lengths", [[1000], [17, 1, 300]])  # batch 1 cut into chunks; whole and cut mixed
+def test_every_head_size_and_every_cut_matches_the_reference(dtype: torch.dtype, head_dim: int, threads: int,
+                                                             lengths: list[int]) -> None:
+    g = torch.Generator().manual_seed(head_dim + len(lengths))
+    bs, kvh, group = 16, 2, 3
+    nb = sum((n + bs - 1) // bs for n in lengths) + 1
+    kc = torch.randn(nb, bs, kvh, head_dim, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, kvh, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g).tolist()
+    width = max((n + bs - 1) // bs for n in lengths)
+    table = torch.tensor([[perm.pop() for _ in range((n + bs - 1) // bs)] + [0] * (width - (n + bs - 1) // bs)
+                          for n in lengths])
+    q = torch.randn(len(lengths), kvh * group, head_dim, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the cut into chunks depends on the thread count
+    try:
+        got = native_paged_attention(q, kc, vc, table, torch.tensor(lengths), head_dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    for b, n in enumerate(lengths):
+        ctx = torch.arange(n)
+        slots = (table[b, ctx // bs] * bs + ctx % bs)[None]
+        want = decode_attention(q[b : b + 1], kc.float(), vc.float(), slots, torch.ones(1, n, dtype=torch.bool),
+                                head_dim**-0.5)
+        torch.testing.assert_close(got[b], want.reshape(-1), atol=2e-5, rtol=1e-4)
+
+
+@needs_cxx
 def test_loading_the_library_keeps_subnormal_floats(fresh_build: Path) -> None:
     """-ffast-math would link crtfastmath, whose constructor sets flush-to-zero for the whole process
     (hypothesis then refuses to run, and every later computation in the process changes)."""
