@@ -194,10 +194,13 @@ class Int8Linear(Linear):
     Up to ``int8_mm_max_rows`` rows (decode): ``aten._weight_int8pack_mm`` reads the int8 weight
     directly. More rows (prefill): dequantize to bf16 and run a dense matmul, where compute, not the
     weight read, is the cost (in fp32 where this CPU has no bf16 matmul kernels, as `UpcastLinear`).
-    fp32 activations are cast to bf16 and the result back.
+    fp32 activations are cast to bf16 and the result back. ``in_features`` not a multiple of 16 always
+    takes the dense path: torch 2.13's AVX-512 ``_weight_int8pack_mm`` crashes the process (SIGSEGV)
+    on 2 or more rows of such a width (seen on a Xeon with AVX-512; AVX2 CPUs run it fine).
     """
 
     int8_mm_max_rows = 16  # measured: the int8 kernel beats dequantize + bf16 matmul up to ~32 rows
+    int8_mm_width_multiple = 16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight, bias)
@@ -218,7 +221,7 @@ class Int8Linear(Linear):
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
-        if x.shape[0] <= self.int8_mm_max_rows:
+        if x.shape[0] <= self.int8_mm_max_rows and self.qweight.shape[1] % self.int8_mm_width_multiple == 0:
             y = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale)
             if self.bias is not None:
                 y = y + self.bias
