@@ -75,7 +75,8 @@ class Engine:
         model = build_model(mcfg, weights, max_len, config)
         if model.kernel_choices:
             summary = "; ".join(c.summary() for c in model.kernel_choices)
-            log.info("linear kernels (%s): %s", config.linear_kernels, summary)
+            log.info("linear kernels (%s): %s; %.0f MB of plain weights kept beside packed ones",
+                     config.linear_kernels, summary, model.extra_weight_nbytes() / 1e6)
         if model.attention_choice is not None:
             log.info("decode attention (%s): %s", config.decode_attention, model.attention_choice.summary())
         cache = KVCache.allocate(

@@ -16,7 +16,10 @@ How: every weight of the class is run once per pass (so the pass streams the cla
 memory as a decode step does, rather than re-reading one hot matrix from cache), passes of the
 formats interleaved, best of ``repeats``; the first format listed is the default, and another one
 wins when the geometric mean of its time ratios to the default over the row counts is the least
-and below ``1 - margin``, so ties keep the default.
+and below ``1 - margin``, so ties keep the default. "native" also competes with a row limit
+(`with_native_limits`: the C++ kernel up to r rows, the kernel it wraps beyond, priced from the same
+timings), which is what wins where oneDNN has AMX: one-row decode steps natively (and then as one
+native call, `engine.native_step`), batches through oneDNN.
 
 Invariants: every format computes the same ``F.linear`` (int8: of the same dequantized weight)
 up to float reassociation, so the choice never changes what the model computes beyond that; a
@@ -40,7 +43,8 @@ from engine.native_linear import NativeLinear, native_linear_error
 from engine.quant import Linear, PackedLinear, UpcastLinear, make_linear, onednn_applies
 
 LINEAR_KERNELS = ("auto", "packed", "plain", "native")
-TIMED_ROWS = (1, 8, 32)
+TIMED_ROWS = (1, 4, 8, 32)
+WRAPPED = ("upcast", "plain", "int8")  # what "native" wraps (runs its rows beyond max_rows), first that applies
 
 @dataclass(frozen=True)
 class KernelChoice:
@@ -52,12 +56,16 @@ class KernelChoice:
     count: int  # layers in the class
     format: str  # "packed" | "plain" | "upcast" | "int8" | "native"
     ms_per_pass: dict[str, dict[int, float]] = field(default_factory=dict)  # format → rows → ms
+    native_max_rows: int = 0  # "native": the most rows its C++ kernel takes; more go to the kernel it wraps
+    wraps: str = ""  # "native": the format of that kernel ("packed": the plain weight is kept beside it)
 
     def summary(self) -> str:
         times = ", ".join(
             f"{fmt} " + "/".join(f"{ms:.2f}" for ms in by_rows.values()) for fmt, by_rows in self.ms_per_pass.items()
         )
-        return f"{self.name} [{self.out_features}x{self.in_features}]x{self.count}: {self.format}" + (
+        fmt = (f"native up to {self.native_max_rows} rows, then {self.wraps}" if self.format == "native"
+               else self.format)
+        return f"{self.name} [{self.out_features}x{self.in_features}]x{self.count}: {fmt}" + (
             f" (ms per pass at rows {'/'.join(map(str, self.rows()))}: {times})" if times else ""
         )
 
@@ -100,7 +108,7 @@ def formats(w0: torch.Tensor, quantization: str | None) -> dict[str, Builder]:
         if w0.dtype == torch.bfloat16 and w0.device.type == "cpu":  # no bf16 matmul kernels here
             out["upcast"] = UpcastLinear
     if w0.device.type == "cpu" and native_linear_error() is None:
-        base = next(out[f] for f in ("upcast", "plain", "int8") if f in out)  # what runs the prefill rows
+        base = next(out[f] for f in WRAPPED if f in out)  # what runs the prefill rows
         out["native"] = lambda w, b: NativeLinear(base(w, b))
     return out
 
@@ -124,6 +132,27 @@ def time_formats(
             for fmt, t in best_of_interleaved(runs, repeats).items():
                 ms[fmt][r] = t
     return built, ms
+
+
+def wrapped_format(formats: Mapping[str, object]) -> str:
+    """The format "native" wraps among ``formats`` (`formats` builds it over that one)."""
+    return next(f for f in WRAPPED if f in formats)
+
+
+def with_native_limits(ms: Mapping[str, Mapping[int, float]]) -> dict[str, dict[int, float]]:
+    """``ms`` and, where "native" was timed, ``"native<=r"`` for each timed row count r but the last:
+    what a `NativeLinear` with ``max_rows=r`` costs (its C++ kernel's time up to r rows, the wrapped
+    kernel's beyond), and where "packed" was timed ``"native<=r+packed"``, the same over oneDNN's
+    packed kernel (the plain weight kept beside the packed one). Where oneDNN has AMX the C++ kernel
+    wins at one row and loses by 2-5 x at 32."""
+    out = {f: dict(by_rows) for f, by_rows in ms.items()}
+    if "native" in ms and (base := next((f for f in WRAPPED if f in ms), None)) is not None:
+        rows = sorted(ms["native"])
+        for r in rows[:-1]:
+            out[f"native<={r}"] = {n: ms["native" if n <= r else base][n] for n in rows}
+            if "packed" in ms:  # over oneDNN's packed kernel: the plain weight kept beside it
+                out[f"native<={r}+packed"] = {n: ms["native" if n <= r else "packed"][n] for n in rows}
+    return out
 
 
 def pick(ms: Mapping[str, Mapping[int, float]], margin: float) -> str:
@@ -163,7 +192,22 @@ def build_linears(
         # pinned, or nothing to choose from; int8 / no oneDNN: the dense modes are moot, the default runs
         fmt = mode if mode in builders else next(iter(builders))
         kernels = [builders[fmt](w, b) for w, b in pairs]
+        if fmt == "native":
+            return kernels, KernelChoice(name, out_f, in_f, len(weights), fmt, native_max_rows=NativeLinear.MAX_ROWS,
+                                         wraps=wrapped_format(builders))
         return kernels, KernelChoice(name, out_f, in_f, len(weights), fmt)
     built, ms = time_formats(weights, biases, builders)
-    fmt = pick(ms, margin)
+    fmt = pick(with_native_limits(ms), margin)
+    if fmt.endswith("+packed"):
+        limit = int(fmt.removeprefix("native<=").removesuffix("+packed"))
+        kernels = [NativeLinear(k, max_rows=limit, plain=w.contiguous()) for k, w in zip(built["packed"], weights,
+                                                                                          strict=True)]
+        return kernels, KernelChoice(name, out_f, in_f, len(weights), "native", ms, limit, "packed")
+    if fmt.startswith("native<="):
+        limit = int(fmt.removeprefix("native<="))
+        kernels = [NativeLinear(k.base, max_rows=limit) for k in built["native"] if isinstance(k, NativeLinear)]
+        return kernels, KernelChoice(name, out_f, in_f, len(weights), "native", ms, limit, wrapped_format(built))
+    if fmt == "native":
+        return built[fmt], KernelChoice(name, out_f, in_f, len(weights), fmt, ms, NativeLinear.MAX_ROWS,
+                                        wrapped_format(built))
     return built[fmt], KernelChoice(name, out_f, in_f, len(weights), fmt, ms)

@@ -40,6 +40,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kernel_choice import KernelChoice, build_linears
 from engine.kv_cache import KVCache
 from engine.native_attention import native_error
+from engine.native_linear import NativeLinear
 from engine.native_rope import MAX_HEAD_DIM, RopeStore, native_rope_error
 from engine.native_step import NativeDecodeStep, native_step_error
 from engine.quant import Linear
@@ -213,6 +214,11 @@ class LlamaModel:
         for lk in self.layers:
             total += sum(k.nbytes for k in (lk.qkv, lk.o_proj, lk.gate_up, lk.down))
         return total
+
+    def extra_weight_nbytes(self) -> int:
+        """Memory held beyond `weight_nbytes`: plain weights kept beside packed ones (`NativeLinear`)."""
+        kernels = [self.lm_head] + [k for lk in self.layers for k in (lk.qkv, lk.o_proj, lk.gate_up, lk.down)]
+        return sum(k.extra_nbytes for k in kernels if isinstance(k, NativeLinear))
 
     # -- pieces shared by both forwards ----------------------------------------------------------
 

@@ -69,16 +69,30 @@ class NativeLinear(Linear):
     """Up to ``max_rows`` rows through the C++ kernel, more through ``base`` (same weight, same results
     up to reassociation). Build with `native_applies` true and `native_linear_error` None."""
 
-    max_rows = 64  # timed faster than the wrapped kernel up to 64 rows; more (prefill chunks) go to it
+    MAX_ROWS = 64  # timed faster than the wrapped kernel up to 64 rows on an AVX2 EPYC
 
-    def __init__(self, base: Linear) -> None:
-        if not native_applies(base):
+    def __init__(self, base: Linear, max_rows: int = MAX_ROWS, plain: torch.Tensor | None = None) -> None:
+        """``plain``: the ``[out, in]`` weight itself where ``base`` holds it in oneDNN's packed layout;
+        both layouts are then kept (the class's bytes twice; `engine.kernel_choice` picks that only
+        where it wins, with few rows natively and batches through oneDNN's packed kernel)."""
+        self._plain_copy = plain is not None
+        if plain is not None:
+            if not (isinstance(base, PackedLinear) and base.format == "packed"):
+                raise ValueError("a plain weight is given only beside a packed oneDNN kernel")
+            if tuple(plain.shape) != (base.out_features, base.in_features) or not plain.is_contiguous():
+                raise ValueError(f"plain weight must be a contiguous [{base.out_features}, {base.in_features}]")
+        elif not native_applies(base):
             raise ValueError(f"native linear needs a plain CPU fp32/bf16/int8 weight, not {type(base).__name__}")
+        if not 1 <= max_rows <= self.MAX_ROWS:
+            raise ValueError(f"max_rows must lie in [1, {self.MAX_ROWS}], got {max_rows}")
         lib = load()
+        # More rows (prefill chunks; on CPUs whose oneDNN has AMX, decode batches beyond a few rows,
+        # as `engine.kernel_choice` measures) go to the wrapped kernel.
+        self.max_rows = max_rows
         self.base = base
         self.weight, self.bias = base.weight, base.bias  # for callers that read them; never copied
         self.out_features, self.in_features = base.out_features, base.in_features
-        w = base.qweight if isinstance(base, Int8Linear) else base.weight  # [out, in]
+        w = plain if plain is not None else base.qweight if isinstance(base, Int8Linear) else base.weight  # [out, in]
         self._w = w
         # fp32 copies of the small per-channel vectors the kernel reads (bf16 scale: the values base uses).
         self._scale = base.scale.float().contiguous() if isinstance(base, Int8Linear) else None  # [out]
@@ -87,7 +101,13 @@ class NativeLinear(Linear):
 
     @property
     def nbytes(self) -> int:
+        """Bytes one call streams (one layout of the weight, whichever kernel runs)."""
         return self.base.nbytes
+
+    @property
+    def extra_nbytes(self) -> int:
+        """Memory held beyond `nbytes`: the plain weight kept beside a packed one (else 0)."""
+        return self._w.numel() * self._w.element_size() if self._plain_copy else 0
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """What the kernel reads: the weight [out, in] (fp32, bf16 or int8) and the fp32 scale and bias

@@ -82,13 +82,15 @@ class NativeDecodeStep:
     """One decode step of ``layers`` ((qkv, o_proj, gate_up, down) per layer, all `NativeLinear`) and
     ``lm_head`` in one call; build it only where `native_step_error` is None."""
 
-    max_rows = NativeLinear.max_rows  # beyond it the linears' own kernels switch to oneDNN
 
     def __init__(self, layers: Sequence[tuple[Linear, Linear, Linear, Linear]], lm_head: Linear, *,
                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float, dtype: torch.dtype) -> None:
         if (err := native_step_error([k for lay in layers for k in lay] + [lm_head], dtype)) is not None:
             raise ValueError(f"no native decode step: {err}")
         self.dtype, self.eps, self.scale = dtype, eps, head_dim**-0.5
+        # up to the fewest rows any linear runs natively: beyond, its own kernel takes over (and so
+        # does the per-layer path, which this step equals bit for bit)
+        self.max_rows = min(k.max_rows for lay in layers for k in (*lay, lm_head) if isinstance(k, NativeLinear))
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.hidden = lm_head.in_features
         self.vocab = lm_head.out_features

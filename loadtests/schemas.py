@@ -211,7 +211,11 @@ _ENGINE_RUN: dict[str, Any] = {
             "type": "object", "required": ["name", "out_features", "in_features", "count", "format", "ms_per_pass"],
             "properties": {"name": {"type": "string"},
                            "format": {"enum": ["packed", "plain", "upcast", "int8", "native"]},
-                           "ms_per_pass": {"type": "object", "description": "format → rows → ms per pass"}}}},
+                           "ms_per_pass": {"type": "object", "description": "format → rows → ms per pass"},
+                           "native_max_rows": {"type": "integer", "description": "native: the most rows its C++ "
+                                               "kernel takes (more go to the kernel it wraps); else 0"},
+                           "wraps": {"type": "string", "description": "native: the format of the kernel it "
+                                     "wraps (packed: the plain weight is kept beside it)"}}}},
         "decode_attention": {"type": "object", "description": "the decode attention method timed at "
                              "load (engine.attention_choice)", "required": ["method", "ms"], "properties": {
             "method": {"enum": ["sdpa", "per_head", "block_diagonal", "compiled", "native"]},

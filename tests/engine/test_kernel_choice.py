@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.kernel_choice import build_linears, formats, time_formats
+from engine.kernel_choice import TIMED_ROWS, build_linears, formats, time_formats
 from engine.native_linear import NativeLinear, native_linear_error
 from engine.quant import Int8Linear, Linear, PackedLinear, UpcastLinear, onednn_packing_available
+from tests.markers import needs_cxx
 from tests.tiny_models import make_tiny
 
 needs_onednn = pytest.mark.skipif(not onednn_packing_available(torch.float32), reason="no oneDNN weight packing")
@@ -41,13 +42,14 @@ def test_auto_times_every_format_and_keeps_the_one_it_reports() -> None:
     native = ["native"] if native_linear_error() is None else []
     assert choice is not None and choice.format in [*PackedLinear.FORMATS, *native]
     assert list(choice.ms_per_pass) == [*PackedLinear.FORMATS, *native]  # the default first
-    assert all(set(by_rows) == {1, 8, 32} and min(by_rows.values()) > 0 for by_rows in choice.ms_per_pass.values())
+    assert all(set(by_rows) == set(TIMED_ROWS) and min(by_rows.values()) > 0 for by_rows in choice.ms_per_pass.values())
     kind = NativeLinear if choice.format == "native" else PackedLinear
     assert all(isinstance(k, kind) for k in kernels)
     x = torch.randn(1, 24)
     for k, w in zip(kernels, ws, strict=True):  # each kernel computes its own weight, in order
         torch.testing.assert_close(k(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
     assert choice.format in choice.summary() and "qkv" in choice.summary()
+    assert choice.native_max_rows == (kernels[0].max_rows if isinstance(kernels[0], NativeLinear) else 0)
 
 
 @needs_onednn
@@ -76,6 +78,64 @@ def test_pick_keeps_the_default_on_a_tie_and_takes_a_clear_winner() -> None:
     assert pick({"packed": {1: 1.0, 8: 2.0}, "plain": {1: 0.9, 8: 1.9}, "native": {1: 0.5, 8: 2.2}},
                 margin=0.03) == "native"  # geometric mean 0.74 vs 0.92
     assert pick({"packed": {1: 1.0}, "native": {1: 1.5}}, margin=0.03) == "packed"
+
+
+def test_native_competes_with_a_row_limit_priced_from_the_same_timings() -> None:
+    from engine.kernel_choice import pick, with_native_limits
+
+    # as timed on an AMX Xeon (bf16 qkv): the C++ kernel wins at 1 row, oneDNN from 8 rows on
+    ms = {"packed": {1: 2.2, 8: 2.3, 32: 2.8}, "plain": {1: 2.6, 8: 2.4, 32: 3.1}, "native": {1: 1.2, 8: 3.6, 32: 11.8}}
+    got = with_native_limits(ms)
+    assert got["native<=1"] == {1: 1.2, 8: 2.4, 32: 3.1} and got["native<=8"] == {1: 1.2, 8: 3.6, 32: 3.1}
+    assert got["native<=1+packed"] == {1: 1.2, 8: 2.3, 32: 2.8}
+    assert set(got) == {*ms, "native<=1", "native<=8", "native<=1+packed", "native<=8+packed"}
+    assert got["native"] == ms["native"]
+    assert pick(got, margin=0.03) == "native<=1+packed"  # geometric mean 0.82 of packed's
+    assert with_native_limits({"packed": {1: 1.0}, "plain": {1: 1.0}}) == {"packed": {1: 1.0}, "plain": {1: 1.0}}
+
+
+@needs_cxx
+def test_a_chosen_row_limit_is_what_the_kernels_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import kernel_choice
+
+    def timed(weights, biases, builders, rows=kernel_choice.TIMED_ROWS, repeats=3):  # type: ignore[no-untyped-def]
+        built = {f: [make(w, b) for w, b in zip(weights, biases, strict=True)] for f, make in builders.items()}
+        fast, slow = {r: 1.0 for r in rows}, {r: 0.2 if r == 1 else 9.0 for r in rows}
+        return built, {f: slow if f == "native" else fast for f in built}
+
+    monkeypatch.setattr(kernel_choice, "time_formats", timed)
+    ws, bs = weights()
+    kernels, choice = build_linears("qkv", ws, bs)
+    assert choice is not None and choice.format == "native" and choice.native_max_rows == 1
+    assert "native up to 1 rows" in choice.summary()
+    assert all(isinstance(k, NativeLinear) and k.max_rows == 1 for k in kernels)
+    x, k0 = torch.randn(2, 24), kernels[0]
+    assert isinstance(k0, NativeLinear) and torch.equal(k0(x), k0.base(x))  # 2 rows: the wrapped kernel's own result
+
+
+@needs_cxx
+@needs_onednn
+def test_a_row_limit_over_the_packed_kernel_keeps_the_plain_weight_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import kernel_choice
+
+    def timed(weights, biases, builders, rows=kernel_choice.TIMED_ROWS, repeats=3):  # type: ignore[no-untyped-def]
+        built = {f: [make(w, b) for w, b in zip(weights, biases, strict=True)] for f, make in builders.items()}
+        ms = {"packed": {r: 1.0 for r in rows}, "plain": {r: 2.0 for r in rows},
+              "native": {r: 0.2 if r == 1 else 9.0 for r in rows}}
+        return built, ms
+
+    monkeypatch.setattr(kernel_choice, "time_formats", timed)
+    ws, bs = weights()
+    kernels, choice = build_linears("qkv", ws, bs)
+    assert choice is not None and (choice.format, choice.native_max_rows, choice.wraps) == ("native", 1, "packed")
+    for k, w in zip(kernels, ws, strict=True):
+        assert isinstance(k, NativeLinear) and isinstance(k.base, PackedLinear) and k.base.format == "packed"
+        assert k.nbytes == k.base.nbytes and k.extra_nbytes == w.numel() * 4  # a call reads one of two layouts
+        x = torch.randn(3, 24)
+        torch.testing.assert_close(k(x[:1]), F.linear(x[:1], w), atol=1e-5, rtol=1e-5)  # natively
+        assert torch.equal(k(x), k.base(x))  # 3 rows: the packed kernel
+    with pytest.raises(ValueError, match="beside a packed"):
+        NativeLinear(PackedLinear(ws[0], None, fmt="plain"), plain=ws[0])
 
 
 def test_bf16_without_onednn_packing_gets_the_upcast_format(monkeypatch: pytest.MonkeyPatch) -> None:

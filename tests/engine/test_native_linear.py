@@ -110,10 +110,11 @@ def test_int8_sums_do_not_overflow_at_the_worst_case(rows: int) -> None:
 
 @needs_cxx
 @pytest.mark.parametrize("wdtype", ["float32", "int8"])
-def test_above_max_rows_the_wrapped_kernel_runs_unchanged(wdtype: str) -> None:
+@pytest.mark.parametrize("limit", [NativeLinear.MAX_ROWS, 3])  # 3: a limit `engine.kernel_choice` may set
+def test_above_max_rows_the_wrapped_kernel_runs_unchanged(wdtype: str, limit: int) -> None:
     base = base_kernel(wdtype, 24, 16, bias=True)
-    lin = NativeLinear(base)
-    rows = NativeLinear.max_rows + 1
+    lin = NativeLinear(base, max_rows=limit)
+    rows = limit + 1
     x = torch.randn(rows, 16).to(torch.bfloat16 if wdtype == "int8" else torch.float32)
     r = torch.randn(rows, 24).to(x.dtype)
     assert torch.equal(lin(x, r), base(x, r))
@@ -125,6 +126,9 @@ def test_above_max_rows_the_wrapped_kernel_runs_unchanged(wdtype: str) -> None:
 @needs_cxx
 def test_bad_inputs_are_refused() -> None:
     lin = NativeLinear(base_kernel("float32", 8, 16, bias=False))
+    for limit in (0, NativeLinear.MAX_ROWS + 1):
+        with pytest.raises(ValueError, match=r"max_rows must lie in \[1, 64\]"):
+            NativeLinear(lin.base, max_rows=limit)
     with pytest.raises(ValueError, match=r"takes a CPU fp32/bf16 \[T, 16\] input"):
         lin(torch.zeros(1, 15))
     with pytest.raises(ValueError, match=r"\[T, 32\] input"):
