@@ -318,6 +318,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     res = doc["results"]
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -347,12 +348,16 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax3.axvline(1.0, color="k", lw=1)
     ax3.set(title="targets (>1 = met)", xlabel="value vs threshold")
     ax3.tick_params(axis="y", labelsize=6)
-    for ax in (ax1, ax2):
+    for ax, sizes in ((ax1, sorted({p["tokens"] for r in res["runs"] for p in r["prefill"]})),
+                      (ax2, sorted({d["batch"] for r in res["runs"] for d in r["decode"]}))):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
+        ax.set_xticks(sizes, [str(n) for n in sizes])  # the measured sizes, not log-scale minor ticks
+        ax.xaxis.set_minor_locator(NullLocator())
     m = doc["machine"]
-    fig.suptitle(f"{doc['setup']['model']} on {m['cpu']} ({m['threads']} threads, load {res['load_avg_1m']})",
-                 fontsize=8)
+    load = res["load_avg_1m"]
+    load_s = ", ".join(f"{x:.2f}" for x in load) if isinstance(load, list) else str(load)
+    fig.suptitle(f"{doc['setup']['model']} on {m['cpu']} ({m['threads']} threads, 1-min load {load_s})", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
