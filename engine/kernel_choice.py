@@ -19,7 +19,9 @@ wins when the geometric mean of its time ratios to the default over the row coun
 and below ``1 - margin``, so ties keep the default. "native" also competes with a row limit
 (`with_native_limits`: the C++ kernel up to r rows, the kernel it wraps beyond, priced from the same
 timings), which is what wins where oneDNN has AMX: one-row decode steps natively (and then as one
-native call, `engine.native_step`), batches through oneDNN.
+native call, `engine.native_step`), batches through oneDNN. Over oneDNN's packed kernel that keeps
+the plain weight too (the class's memory twice), so it must beat the best choice without a copy by
+the margin as well.
 
 Invariants: every format computes the same ``F.linear`` (int8: of the same dequantized weight)
 up to float reassociation, so the choice never changes what the model computes beyond that; a
@@ -197,7 +199,11 @@ def build_linears(
                                          wraps=wrapped_format(builders))
         return kernels, KernelChoice(name, out_f, in_f, len(weights), fmt)
     built, ms = time_formats(weights, biases, builders)
-    fmt = pick(with_native_limits(ms), margin)
+    cands = with_native_limits(ms)
+    fmt = pick({f: t for f, t in cands.items() if not f.endswith("+packed")}, margin)
+    if copies := {f: t for f, t in cands.items() if f.endswith("+packed")}:
+        # keeping the plain weight beside the packed one doubles the class's memory: only for a clear win
+        fmt = pick({fmt: cands[fmt], **copies}, margin)
     if fmt.endswith("+packed"):
         limit = int(fmt.removeprefix("native<=").removesuffix("+packed"))
         kernels = [NativeLinear(k, max_rows=limit, plain=w.contiguous()) for k, w in zip(built["packed"], weights,
