@@ -21,7 +21,9 @@ and below ``1 - margin``, so ties keep the default. "native" also competes with 
 timings), which is what wins where oneDNN has AMX: one-row decode steps natively (and then as one
 native call, `engine.native_step`), batches through oneDNN. Over oneDNN's packed kernel that keeps
 the plain weight too (the class's memory twice), so it must beat the best choice without a copy by
-the margin as well.
+the margin as well. Where the choice is a plain, upcast or int8 kernel, the C++ kernel also takes
+the fewest rows wherever it beats that kernel there by the margin (`native_prefix`): faster where
+they differ, the same beyond.
 
 Invariants: every format computes the same ``F.linear`` (int8: of the same dequantized weight)
 up to float reassociation, so the choice never changes what the model computes beyond that; a
@@ -157,6 +159,21 @@ def with_native_limits(ms: Mapping[str, Mapping[int, float]]) -> dict[str, dict[
     return out
 
 
+def native_prefix(ms: Mapping[str, Mapping[int, float]], fmt: str, margin: float) -> int:
+    """The most timed rows r such that the C++ kernel beats ``fmt`` by the margin at every timed row
+    count up to r (0: not at the fewest). Running it there and ``fmt`` beyond is faster where they
+    differ and the same elsewhere, however little that moves `pick`'s mean over all row counts, and
+    it lets a one-row step run as one native call (`engine.native_step`)."""
+    if "native" not in ms or fmt not in ms:
+        return 0
+    limit = 0
+    for n in sorted(ms["native"]):
+        if ms["native"][n] >= ms[fmt][n] * (1.0 - margin):
+            break
+        limit = n
+    return limit
+
+
 def pick(ms: Mapping[str, Mapping[int, float]], margin: float) -> str:
     """The default (first) format unless another's geometric-mean time ratio to it is the least and below
     ``1 - margin``: every row count weighs alike."""
@@ -204,16 +221,17 @@ def build_linears(
     if copies := {f: t for f, t in cands.items() if f.endswith("+packed")}:
         # keeping the plain weight beside the packed one doubles the class's memory: only for a clear win
         fmt = pick({fmt: cands[fmt], **copies}, margin)
-    if fmt.endswith("+packed"):
-        limit = int(fmt.removeprefix("native<=").removesuffix("+packed"))
-        kernels = [NativeLinear(k, max_rows=limit, plain=w.contiguous()) for k, w in zip(built["packed"], weights,
-                                                                                          strict=True)]
-        return kernels, KernelChoice(name, out_f, in_f, len(weights), "native", ms, limit, "packed")
-    if fmt.startswith("native<="):
-        limit = int(fmt.removeprefix("native<="))
-        kernels = [NativeLinear(k.base, max_rows=limit) for k in built["native"] if isinstance(k, NativeLinear)]
-        return kernels, KernelChoice(name, out_f, in_f, len(weights), "native", ms, limit, wrapped_format(built))
+    over, limit = fmt, 0  # "native": up to `limit` rows, the kernel of format `over` beyond
     if fmt == "native":
         return built[fmt], KernelChoice(name, out_f, in_f, len(weights), fmt, ms, NativeLinear.MAX_ROWS,
                                         wrapped_format(built))
-    return built[fmt], KernelChoice(name, out_f, in_f, len(weights), fmt, ms)
+    if fmt.startswith("native<="):
+        over = "packed" if fmt.endswith("+packed") else wrapped_format(built)
+        limit = int(fmt.removeprefix("native<=").removesuffix("+packed"))
+    elif fmt != "packed":
+        limit = native_prefix(ms, fmt, margin)
+    if not limit:
+        return built[fmt], KernelChoice(name, out_f, in_f, len(weights), fmt, ms)
+    kernels = [NativeLinear(k, max_rows=limit, plain=w.contiguous() if over == "packed" else None)
+               for k, w in zip(built[over], weights, strict=True)]
+    return kernels, KernelChoice(name, out_f, in_f, len(weights), "native", ms, limit, over)

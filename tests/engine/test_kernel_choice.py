@@ -147,6 +147,30 @@ def test_a_row_limit_over_the_packed_kernel_keeps_the_plain_weight_too(monkeypat
         NativeLinear(PackedLinear(ws[0], None, fmt="plain"), plain=ws[0])
 
 
+@needs_cxx
+def test_the_fewest_rows_go_native_where_it_beats_the_chosen_kernel_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 without oneDNN packing: "native" wraps upcast, and a row limit over it loses to plain; still
+    one row natively then plain beyond is faster at one row and the same elsewhere."""
+    from engine import kernel_choice
+    from engine.kernel_choice import native_prefix
+
+    rows = kernel_choice.TIMED_ROWS
+    ms = {"plain": {r: 1.0 for r in rows}, "upcast": {r: 1.5 for r in rows},
+          "native": {r: 0.5 if r == 1 else 2.0 for r in rows}}
+    assert native_prefix(ms, "plain", 0.03) == 1 and native_prefix(ms, "upcast", 0.03) == 1
+    assert native_prefix({**ms, "native": {r: 0.98 for r in rows}}, "plain", 0.03) == 0  # within the margin
+    monkeypatch.setattr(kernel_choice, "onednn_applies", lambda *a: False)
+    monkeypatch.setattr(kernel_choice, "time_formats", lambda w, b, builders, *a, **k: (
+        {f: [make(x, y) for x, y in zip(w, b, strict=True)] for f, make in builders.items()}, ms))
+    ws = [w.bfloat16() for w in weights()[0]]
+    kernels, choice = build_linears("qkv", ws, [None] * len(ws))
+    assert choice is not None and (choice.format, choice.native_max_rows, choice.wraps) == ("native", 1, "plain")
+    x = torch.randn(2, 24).bfloat16()
+    for k, w in zip(kernels, ws, strict=True):
+        assert isinstance(k, NativeLinear) and type(k.base) is Linear and k.extra_nbytes == 0
+        assert torch.equal(k(x), F.linear(x, w))  # 2 rows: plain F.linear, as before
+
+
 def test_bf16_without_onednn_packing_gets_the_upcast_format(monkeypatch: pytest.MonkeyPatch) -> None:
     from engine import kernel_choice
 
