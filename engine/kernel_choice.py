@@ -112,7 +112,7 @@ def formats(w0: torch.Tensor, quantization: str | None) -> dict[str, Builder]:
         if w0.dtype == torch.bfloat16 and w0.device.type == "cpu":  # no bf16 matmul kernels here
             out["upcast"] = UpcastLinear
     if w0.device.type == "cpu" and native_linear_error() is None:
-        base = next(out[f] for f in WRAPPED if f in out)  # what runs the prefill rows
+        base = out[wrapped_format(out)]  # what runs the prefill rows
         out["native"] = lambda w, b: NativeLinear(base(w, b))
     return out
 
@@ -150,8 +150,8 @@ def with_native_limits(ms: Mapping[str, Mapping[int, float]]) -> dict[str, dict[
     packed kernel (the plain weight kept beside the packed one). Where oneDNN has AMX the C++ kernel
     wins at one row and loses by 2-5 x at 32."""
     out = {f: dict(by_rows) for f, by_rows in ms.items()}
-    if "native" in ms and (base := next((f for f in WRAPPED if f in ms), None)) is not None:
-        rows = sorted(ms["native"])
+    if "native" in ms:  # (`formats` builds it only over a wrapped format)
+        base, rows = wrapped_format(ms), sorted(ms["native"])
         for r in rows[:-1]:
             out[f"native<={r}"] = {n: ms["native" if n <= r else base][n] for n in rows}
             if "packed" in ms:  # over oneDNN's packed kernel: the plain weight kept beside it

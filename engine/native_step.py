@@ -82,7 +82,6 @@ class NativeDecodeStep:
     """One decode step of ``layers`` ((qkv, o_proj, gate_up, down) per layer, all `NativeLinear`) and
     ``lm_head`` in one call; build it only where `native_step_error` is None."""
 
-
     def __init__(self, layers: Sequence[tuple[Linear, Linear, Linear, Linear]], lm_head: Linear, *,
                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float, dtype: torch.dtype) -> None:
         if (err := native_step_error([k for lay in layers for k in lay] + [lm_head], dtype)) is not None:

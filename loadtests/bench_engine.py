@@ -49,7 +49,6 @@ FULL = Sizes(prefill=(128, 512, 2048), batches=(1, 8, 32), contexts=(256, 1024),
 QUICK = Sizes(prefill=(16, 64), batches=(1, 4), contexts=(16, 48), gen_tokens=8)
 
 
-
 def useful_flops(eng: Engine, n: int) -> float:
     """FLOPs a prefill of ``n`` tokens (from position 0, last row's logits) must do."""
     c = eng.model_config
@@ -348,15 +347,13 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax3.axvline(1.0, color="k", lw=1)
     ax3.set(title="targets (>1 = met)", xlabel="value vs threshold")
     ax3.tick_params(axis="y", labelsize=6)
-    for ax, sizes in ((ax1, sorted({p["tokens"] for r in res["runs"] for p in r["prefill"]})),
-                      (ax2, sorted({d["batch"] for r in res["runs"] for d in r["decode"]}))):
+    for ax, sizes in ((ax1, doc["setup"]["sizes"]["prefill"]), (ax2, doc["setup"]["sizes"]["batches"])):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
         ax.set_xticks(sizes, [str(n) for n in sizes])  # the measured sizes, not log-scale minor ticks
         ax.xaxis.set_minor_locator(NullLocator())
     m = doc["machine"]
-    load = res["load_avg_1m"]
-    load_s = ", ".join(f"{x:.2f}" for x in load) if isinstance(load, list) else str(load)
+    load_s = ", ".join(f"{x:.2f}" for x in res["load_avg_1m"])  # a list (ENGINE_SCHEMA)
     fig.suptitle(f"{doc['setup']['model']} on {m['cpu']} ({m['threads']} threads, 1-min load {load_s})", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
