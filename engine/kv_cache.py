@@ -5,7 +5,8 @@ copy helpers that move whole blocks in and out of them (used by the transports a
 
 Invariants: block ``b`` of layer ``l`` is ``k[l][b]`` / ``v[l][b]``; a token at position ``p`` of a
 sequence with block table ``bt`` lives at ``bt[p // block_size]``, row ``p % block_size``. The cache
-knows nothing of which blocks are in use: that is `engine.block_pool.BlockPool`'s job.
+knows nothing of which blocks are in use: that is `engine.block_pool.BlockPool`'s job. Every
+layer's K and V are contiguous views of one zeroed buffer, on huge pages where the OS gives them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.huge_pages import huge_zeros
 
 
 @dataclass
@@ -35,8 +37,9 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> KVCache:
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+        # One buffer for every layer's K and V (on huge pages: `engine.huge_pages`), viewed per layer.
+        both = huge_zeros((2, model.num_layers, *shape), dtype, device)
+        k, v = list(both[0].unbind(0)), list(both[1].unbind(0))
         return cls(k=k, v=v, block_size=block_size)
 
     @property
