@@ -1,5 +1,6 @@
 // Eight-float vectors and the scalar / vector loads and stores of fp32, bf16 (raw uint16 bits) and
-// int8 that every engine kernel shares (small_linear.h, paged_decode.h, rope_store.h).
+// int8 that every engine kernel shares (small_linear.h, paged_decode.h, rope_store.h, rows.h), and
+// `exp_nonpos`.
 //
 // Vectors are GCC vector extensions (AVX2 / AVX-512 / NEON code from one source under
 // -march=native); on AVX2 the widening loads are written as intrinsics (one vpmovzxwd / vpmovsxbd
@@ -49,4 +50,23 @@ static inline void store1(float* p, float v) { *p = v; }
 static inline void store1(uint16_t* p, float v) {  // fp32 -> bf16, round to nearest even (NaN stays NaN)
   uint32_t u; std::memcpy(&u, &v, 4);
   *p = std::isnan(v) ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// exp(x) for x <= 0 (softmax scores minus their max; silu of -|x|) in plain arithmetic, so the softmax loop
+// vectorizes (glibc's vector exp is declared only under -ffast-math): 2^n * p(r), n = round(x / ln 2),
+// r = x - n ln 2 in two steps (Cody-Waite), p Cephes' expf polynomial (relative error ~1e-7). x is
+// clamped at -87 (exp = 1.6e-38), so 2^n stays a normal float; in a softmax that term is 0 anyway.
+static inline float exp_nonpos(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * __builtin_bit_cast(float, ((int32_t)n + 127) << 23);
 }
