@@ -30,6 +30,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from engine import native_rows
+
 QUANTIZATION_MODES = ("int8",)
 
 
@@ -54,13 +56,14 @@ class Linear:
 
     def normed(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of x without a gain (the fast path folds it into the weight), then this kernel:
-        x [T, in] → [T, out]. `engine.native_linear` fuses the two."""
-        return self(F.rms_norm(x, (x.shape[-1],), None, eps))
+        x [T, in] → [T, out]. The norm is one C++ pass (`engine.native_rows`); `engine.native_linear`
+        fuses it into the product itself."""
+        return self(native_rows.rms_norm(x, eps))
 
     def glu(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """silu(gate) * up of ``gate_up [T, 2 * in]``, then this kernel (+ residual) → [T, out]."""
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, in] each
-        return self(F.silu(gate) * up, residual)
+        """silu(gate) * up of ``gate_up [T, 2 * in]`` (`engine.native_rows`), then this kernel
+        (+ residual) → [T, out]."""
+        return self(native_rows.glu(gate_up), residual)
 
 
 @functools.cache
