@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.native_prefill import native_prefill_applies, native_prefill_attention
+
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -49,15 +51,19 @@ def prefill_attention(
     context_slots: torch.Tensor | None,
     scale: float,
     context_blocks: torch.Tensor | None = None,
+    native: bool = False,
 ) -> torch.Tensor:
     """Causal attention of one sequence's chunk.
 
     q: [S, H, D]; k_new/v_new: [S, KV, D] (already written to the cache); ``start_pos`` tokens
     precede the chunk; the context (only read when ``start_pos > 0``) is given either as
     ``context_slots``: [start_pos + S] slots, or as ``context_blocks``: [ceil((start_pos + S) / bs)]
-    block ids (cheaper: whole blocks are copied). Returns [S, H, D].
+    block ids (cheaper: whole blocks are copied). ``native``: fp32 chunks the C++ kernel takes run
+    there (`engine.native_prefill`), the rest through SDPA. Returns [S, H, D].
     """
     s = q.shape[0]
+    if native and start_pos == 0 and native_prefill_applies(q, k_new, v_new):
+        return native_prefill_attention(q, k_new, v_new, 0, scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, S, D]
     if start_pos == 0:
         k = k_new.transpose(0, 1).unsqueeze(0)  # [1, KV, S, D]
@@ -71,6 +77,8 @@ def prefill_attention(
         else:
             assert context_slots is not None
             kc, vc = gather_kv(k_cache, v_cache, context_slots)  # [L, KV, D]
+        if native and native_prefill_applies(q, kc, vc):
+            return native_prefill_attention(q, kc, vc, start_pos, scale)
         k = kc.transpose(0, 1).unsqueeze(0)  # [1, KV, L, D]
         v = vc.transpose(0, 1).unsqueeze(0)
         q_pos = torch.arange(start_pos, total, device=q.device).unsqueeze(1)  # [S, 1]

@@ -302,7 +302,8 @@ class LlamaModel:
                     blocks = None
                 outs.append(
                     prefill_attention(
-                        q[sl], k[sl], v[sl], cache.k[li], cache.v[li], start, slots, self.scale, blocks
+                        q[sl], k[sl], v[sl], cache.k[li], cache.v[li], start, slots, self.scale, blocks,
+                        native=self.fast,
                     )
                 )
                 offset += n

@@ -77,7 +77,7 @@ static inline void weigh(const float* p, const T* v, int64_t rs, int64_t n, int6
       for (int64_t d = 0; d < D; ++d) acc[d] += p[r] * load1(v + r * rs + d);
   } else if constexpr (ND == 0) {
     for (int64_t r = 0; r < n; ++r) {
-      const f8 pr = f8{} + p[r];
+      const f8 pr = splat8(p[r]);
       for (int64_t d = 0; d < D; d += 8) {
         const f8 a = load8(acc + d) + pr * load8(v + r * rs + d);
         std::memcpy(acc + d, &a, sizeof a);
@@ -87,7 +87,7 @@ static inline void weigh(const float* p, const T* v, int64_t rs, int64_t n, int6
     f8 a[ND];
     for (int i = 0; i < ND; ++i) a[i] = load8(acc + 8 * i);
     for (int64_t r = 0; r < n; ++r) {
-      const f8 pr = f8{} + p[r];
+      const f8 pr = splat8(p[r]);
       for (int i = 0; i < ND; ++i) a[i] += pr * load8(v + r * rs + 8 * i);
     }
     std::memcpy(acc, a, sizeof a);

@@ -16,10 +16,8 @@
 #include "vec8.h"
 
 #if defined(__AVX512F__)
-typedef float fz __attribute__((vector_size(64)));
 typedef uint32_t u32z __attribute__((vector_size(64)));
 
-static inline fz loadz(const float* p) { fz v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void pair32(const float* p, fz& a, fz& b) { a = loadz(p); b = loadz(p + 16); }
 static inline void pair32(const uint16_t* p, fz& a, fz& b) {
   u32z u, lo, hi;
@@ -107,7 +105,7 @@ static inline void weigh_z(const float* p, const T* v, int64_t rs, int64_t n, fl
   fz e[2][2 * NC];
   for (int i = 0; i < 2 * NC; ++i) { e[0][i] = loadz(acc + 16 * i); e[1][i] = fz{}; }
   auto row = [&](int64_t r, fz* a) {
-    const fz pr = fz{} + p[r];
+    const fz pr = splatz(p[r]);
     for (int c = 0; c < NC; ++c) {
       fz x, y;
       pair32(v + r * rs + 32 * c, x, y);
@@ -136,7 +134,7 @@ static inline void weigh_zg(const float* p, int64_t ps, const T* v, int64_t rs, 
     fz x[2 * NC];
     for (int c = 0; c < NC; ++c) pair32(v + r * rs + 32 * c, x[2 * c], x[2 * c + 1]);
     for (int g = 0; g < G; ++g) {
-      const fz pr = fz{} + p[g * ps + r];
+      const fz pr = splatz(p[g * ps + r]);
       for (int i = 0; i < 2 * NC; ++i) e[g][i] += pr * x[i];
     }
   }

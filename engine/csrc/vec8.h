@@ -16,7 +16,17 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef int8_t i8x8 __attribute__((vector_size(8)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
+// Sixteen-float vectors (one AVX-512 register; two AVX2 ones elsewhere), for paged_decode_z.h and
+// prefill_attention.h.
+typedef float fz __attribute__((vector_size(64)));
+
 static inline f8 load8(const float* p) { f8 v; std::memcpy(&v, p, sizeof v); return v; }
+static inline fz loadz(const float* p) { fz v; std::memcpy(&v, p, sizeof v); return v; }
+static inline void storez(float* p, fz v) { std::memcpy(p, &v, sizeof v); }
+// x in every lane: one broadcast (`f8{} + x` is an add of +0.0 the compiler must keep, then the
+// broadcast; x - zero folds to x, so it is the broadcast alone).
+static inline f8 splat8(float x) { return x - f8{}; }
+static inline fz splatz(float x) { return x - fz{}; }
 #if defined(__AVX2__)
 #include <immintrin.h>
 // One widening load each (vpmovzxwd / vpmovsxbd): what the generic versions below compile to in two halves.
@@ -52,21 +62,24 @@ static inline void store1(uint16_t* p, float v) {  // fp32 -> bf16, round to nea
   *p = std::isnan(v) ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-// exp(x) for x <= 0 (softmax scores minus their max; silu of -|x|) in plain arithmetic, so the softmax loop
-// vectorizes (glibc's vector exp is declared only under -ffast-math): 2^n * p(r), n = round(x / ln 2),
+// e^x for x <= 0 (softmax scores minus their max; silu of -|x|) in plain arithmetic, so the
+// softmax loop vectorizes (glibc's vector exp is declared only under -ffast-math): 2^n * p(r), n = round(x / ln 2),
 // r = x - n ln 2 in two steps (Cody-Waite), p Cephes' expf polynomial (relative error ~1e-7). x is
 // clamped at -87 (exp = 1.6e-38), so 2^n stays a normal float; in a softmax that term is 0 anyway.
-static inline float exp_nonpos(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
+// `exp_poly` is the part after n, for a float or a vector of them (`exp_nonpos_z`, prefill_attention.h).
+template <typename V>
+static inline V exp_poly(V x, V n) {  // e^(x - n ln 2) for |x - n ln 2| <= ln 2 / 2
+  V r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  return p * __builtin_bit_cast(float, ((int32_t)n + 127) << 23);
+  return p * r * r + r + 1.f;
+}
+static inline float exp_nonpos(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  return exp_poly(x, n) * __builtin_bit_cast(float, ((int32_t)n + 127) << 23);
 }

@@ -79,6 +79,27 @@ def test_fast_fp32_matches_reference(tiny_dir: Path, kernels: str) -> None:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
+@needs_cxx
+def test_native_fp32_prefill_attention_matches_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Head size 64 (the kernel's): fresh chunks and one after a cached prefix run natively, equal to the
+    reference path's SDPA up to fp32 rounding."""
+    path = make_tiny("llama", tmp_path / "d64", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    calls: list[int] = []
+    real = attention.native_prefill_attention
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "native_prefill_attention", counted)
+    ref = scenario(runner(path, torch.float32, fast=False))
+    assert not calls
+    fast = scenario(runner(path, torch.float32, fast=True))
+    assert len(calls) == 2 * 4  # 2 layers x (the first chunk + the three of the batched prefill)
+    for a, b in zip(fast, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_fast_fp32_decode_attention_methods_match_reference(tiny_dir: Path, method: str) -> None:
     """Each decode attention method, through the whole model (3 sequences per step)."""
