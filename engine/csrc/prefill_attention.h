@@ -52,20 +52,6 @@ static inline float hsumz(fz v) {
 }
 #endif
 
-// `exp_nonpos` on 16 lanes at once: the same steps with n = x / ln 2 rounded to nearest (the add and
-// subtract of 1.5 * 2^23 rounds; exp_nonpos floors x / ln 2 + 1/2: they differ only at ties, where
-// either reduction is exact to the polynomial's accuracy).
-static inline fz exp_nonpos_z(fz x) {
-  x = x < -87.f ? splatz(-87.f) : x;
-  const fz n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const fz p = exp_poly(x, n);
-  typedef int32_t i32z __attribute__((vector_size(64)));
-  const i32z e = (__builtin_convertvector(n, i32z) + 127) << 23;
-  fz scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return p * scale;
-}
-
 template <int ND>
 static inline void score_tile(const float* qs, const float* kt, int64_t ld_kt, int nr, float* s) {
   constexpr int D = 16 * ND;

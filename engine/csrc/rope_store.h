@@ -20,15 +20,19 @@ template <typename X>
 static void rope_store(X* qkv, const float* cos, const float* sin, const int64_t* pos, const int64_t* slots,
                        X* kc, X* vc, int64_t T, int64_t H, int64_t KV, int64_t D) {
   const int64_t width = (H + 2 * KV) * D, half = D / 2, kv = KV * D;
-  float tmp[1024];  // one head (D <= 1024, checked by the caller)
+  // Tokens are independent: a prefill chunk's rows are split over the threads (decode batches, and
+  // calls from inside decode_step.cpp's parallel region, run on one), the same result either way.
+#pragma omp parallel for schedule(static) if (T >= 64)
   for (int64_t t = 0; t < T; ++t) {
+    float tmp[1024];  // one head (D <= 1024, checked by the caller)
     X* row = qkv + t * width;
     const float* c = cos + pos[t] * D;
     const float* s = sin + pos[t] * D;
     for (int64_t h = 0; h < H + KV; ++h) {  // q heads, then k heads
       X* x = row + h * D;
       for (int64_t i = 0; i < D; ++i) tmp[i] = load1(x + i);
-      for (int64_t i = 0; i < D; ++i) store1(x + i, tmp[i] * c[i] + tmp[i < half ? i + half : i - half] * s[i]);
+      for (int64_t i = 0; i < half; ++i) store1(x + i, tmp[i] * c[i] + tmp[i + half] * s[i]);
+      for (int64_t i = half; i < D; ++i) store1(x + i, tmp[i] * c[i] + tmp[i - half] * s[i]);
     }
     std::memcpy(kc + slots[t] * kv, row + H * D, sizeof(X) * kv);
     std::memcpy(vc + slots[t] * kv, row + (H + KV) * D, sizeof(X) * kv);

@@ -66,7 +66,7 @@ static inline void store1(uint16_t* p, float v) {  // fp32 -> bf16, round to nea
 // softmax loop vectorizes (glibc's vector exp is declared only under -ffast-math): 2^n * p(r), n = round(x / ln 2),
 // r = x - n ln 2 in two steps (Cody-Waite), p Cephes' expf polynomial (relative error ~1e-7). x is
 // clamped at -87 (exp = 1.6e-38), so 2^n stays a normal float; in a softmax that term is 0 anyway.
-// `exp_poly` is the part after n, for a float or a vector of them (`exp_nonpos_z`, prefill_attention.h).
+// `exp_poly` is the part after n, for a float or a vector of them (`exp_nonpos_z`).
 template <typename V>
 static inline V exp_poly(V x, V n) {  // e^(x - n ln 2) for |x - n ln 2| <= ln 2 / 2
   V r = x - n * 0.693359375f;
@@ -82,4 +82,17 @@ static inline float exp_nonpos(float x) {
   x = x < -87.f ? -87.f : x;
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   return exp_poly(x, n) * __builtin_bit_cast(float, ((int32_t)n + 127) << 23);
+}
+// `exp_nonpos` on 16 lanes at once: the same steps with n = x / ln 2 rounded to nearest (the add and
+// subtract of 1.5 * 2^23 rounds; exp_nonpos floors x / ln 2 + 1/2: they differ only at ties, where
+// either reduction is exact to the polynomial's accuracy).
+static inline fz exp_nonpos_z(fz x) {
+  x = x < -87.f ? splatz(-87.f) : x;
+  const fz n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const fz p = exp_poly(x, n);
+  typedef int32_t i32z __attribute__((vector_size(64)));
+  const i32z e = (__builtin_convertvector(n, i32z) + 127) << 23;
+  fz scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return p * scale;
 }

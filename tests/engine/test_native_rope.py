@@ -29,13 +29,16 @@ def rope() -> RotaryEmbedding:
 
 @needs_cxx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotates_in_place_and_stores_exactly_the_given_slots(rope: RotaryEmbedding, dtype: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(0)
-    t = 5
+@pytest.mark.parametrize("t", [5, 100])  # a decode batch (one thread); prefill rows (split over threads)
+def test_rotates_in_place_and_stores_exactly_the_given_slots(rope: RotaryEmbedding, dtype: torch.dtype,
+                                                             t: int) -> None:
+    g = torch.Generator().manual_seed(t)
     qkv = torch.randn(t, (H + 2 * KV) * D, generator=g).to(dtype)
-    positions = torch.tensor([0, 7, 3, 63, 12])
-    slots = torch.tensor([9, 0, 31, 17, 4])  # scattered over 4 blocks of 8
-    kc, vc = torch.zeros(4, 8, KV, D, dtype=dtype), torch.zeros(4, 8, KV, D, dtype=dtype)
+    positions = torch.tensor([0, 7, 3, 63, 12]) if t == 5 else torch.randint(0, P, (t,), generator=g)
+    n_slots = 32 if t == 5 else 128
+    # scattered over the blocks of 8
+    slots = torch.tensor([9, 0, 31, 17, 4]) if t == 5 else torch.randperm(n_slots, generator=g)[:t]
+    kc, vc = torch.zeros(n_slots // 8, 8, KV, D, dtype=dtype), torch.zeros(n_slots // 8, 8, KV, D, dtype=dtype)
     q_ref, k_ref = rope.apply(qkv[:, : H * D].float().view(t, H, D), qkv[:, H * D : (H + KV) * D].float().view(
         t, KV, D), positions)
     v = qkv[:, (H + KV) * D :].view(t, KV, D).clone()
@@ -43,15 +46,15 @@ def test_rotates_in_place_and_stores_exactly_the_given_slots(rope: RotaryEmbeddi
     write_kv(want_k, want_v, slots, k_ref.to(dtype), v)
 
     cos, sin = tables(rope)
-    RopeStore.for_batch(positions, slots, cos, sin, H, KV, 32)(qkv, kc, vc)
+    RopeStore.for_batch(positions, slots, cos, sin, H, KV, n_slots)(qkv, kc, vc)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(qkv[:, : H * D].float().view(t, H, D), q_ref, atol=tol, rtol=tol)
     torch.testing.assert_close(kc.float(), want_k.float(), atol=tol, rtol=tol)
     assert torch.equal(vc, want_v)  # v is copied, not rounded
     assert torch.equal(qkv[:, (H + KV) * D :].view(t, KV, D), v)  # and left as it was
-    untouched = torch.ones(32, dtype=torch.bool)
+    untouched = torch.ones(n_slots, dtype=torch.bool)
     untouched[slots] = False
-    assert not kc.view(32, KV * D)[untouched].any() and not vc.view(32, KV * D)[untouched].any()
+    assert not kc.view(n_slots, KV * D)[untouched].any() and not vc.view(n_slots, KV * D)[untouched].any()
 
 
 @needs_cxx
