@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCache
-from engine.model import LlamaModel
-from engine.native_linear import NativeLinear, build_model
+from engine.model import LlamaModel, build_model
+from engine.native_linear import NativeLinear
 from engine.quant import Int8Linear, dequantize_int8, make_linear, quantize_int8
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from engine.weights import load_weights
