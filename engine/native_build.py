@@ -113,3 +113,11 @@ def build_with(source: Path, names: Sequence[str], argtypes: Sequence[type]) -> 
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = list(argtypes), None
     return lib
+
+
+def build_with_or_none(source: Path, names: Sequence[str], argtypes: Sequence[type]) -> ctypes.CDLL | None:
+    """`build_with`, or None where the kernel cannot be built here (for callers with a torch fallback)."""
+    try:
+        return build_with(source, names, argtypes)
+    except NativeUnavailable:
+        return None

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from engine.native_build import CSRC, NativeUnavailable, build_with
+from engine.native_build import CSRC, build_with_or_none
 
 SOURCE = CSRC / "prefill_attention.cpp"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -35,10 +35,7 @@ HEAD_DIMS = (64, 128)
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built library, or None where it cannot be built here (SDPA runs instead)."""
-    try:
-        return build_with(SOURCE, ["prefill_attention_f32"], _ARGTYPES)
-    except NativeUnavailable:
-        return None
+    return build_with_or_none(SOURCE, ["prefill_attention_f32"], _ARGTYPES)
 
 
 def _rows_ok(t: torch.Tensor) -> bool:

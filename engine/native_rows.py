@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.native_build import CSRC, NativeUnavailable, build_with
+from engine.native_build import CSRC, build_with_or_none
 
 SOURCE = CSRC / "rows.cpp"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -37,10 +37,7 @@ PRE_RMS, PRE_GLU = 1, 2
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built library, or None where it cannot be built here (the torch ops run instead)."""
-    try:
-        return build_with(SOURCE, list(_NAMES.values()), _ARGTYPES)
-    except NativeUnavailable:
-        return None
+    return build_with_or_none(SOURCE, list(_NAMES.values()), _ARGTYPES)
 
 
 def _native(x: torch.Tensor) -> Callable[..., object] | None:

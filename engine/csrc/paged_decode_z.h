@@ -116,10 +116,7 @@ static inline void weigh_z(const float* p, const T* v, int64_t rs, int64_t n, fl
   int64_t r = 0;
   for (; r + 2 <= n; r += 2) { row(r, e[0]); row(r + 1, e[1]); }
   if (r < n) row(r, e[0]);
-  for (int i = 0; i < 2 * NC; ++i) {
-    const fz t = e[0][i] + e[1][i];
-    std::memcpy(acc + 16 * i, &t, sizeof t);
-  }
+  for (int i = 0; i < 2 * NC; ++i) storez(acc + 16 * i, e[0][i] + e[1][i]);
 }
 
 // `weigh_z` for the G query heads that share one KV head (p: G rows of scores `ps` apart; acc: their
@@ -139,7 +136,7 @@ static inline void weigh_zg(const float* p, int64_t ps, const T* v, int64_t rs, 
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < 2 * NC; ++i) std::memcpy(acc + g * 32 * NC + 16 * i, &e[g][i], sizeof(fz));
+    for (int i = 0; i < 2 * NC; ++i) storez(acc + g * 32 * NC + 16 * i, e[g][i]);
 }
 
 // The weighted sums of KV head j's G query heads (h = j G .. j G + G - 1) over rows [0, n) of a V block:

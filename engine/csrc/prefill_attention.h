@@ -31,9 +31,6 @@ namespace prefill {
 
 constexpr int64_t BQ = 32, BK = 32;
 
-
-// s[r][0, 32) = sum_d qs[r][d] * kt[d][0, 32), computed for 8 rows (the scratch always holds them),
-// stored for r < nr; qs rows are D apart, kt rows ld_kt apart.
 static const fz IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 #if defined(__AVX512F__)
@@ -52,6 +49,8 @@ static inline float hsumz(fz v) {
 }
 #endif
 
+// s[r][0, 32) = sum_d qs[r][d] * kt[d][0, 32), computed for 8 rows (the scratch always holds them),
+// stored for r < nr; qs rows are D apart, kt rows ld_kt apart.
 template <int ND>
 static inline void score_tile(const float* qs, const float* kt, int64_t ld_kt, int nr, float* s) {
   constexpr int D = 16 * ND;
