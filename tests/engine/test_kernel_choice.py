@@ -202,4 +202,6 @@ def test_engine_config_reaches_the_model(tmp_path: Path) -> None:
     assert [c.name for c in choices] == ["qkv", "o_proj", "gate_up", "down", "lm_head"]
     assert {c.format for c in choices} == {"plain"}
     q8 = Engine.from_dir(path, EngineConfig(num_blocks=16, dtype="bfloat16", quantization="int8"))
-    assert q8.runner.model.quantization == "int8" and isinstance(q8.runner.model.lm_head, Int8Linear)
+    lm_head = q8.runner.model.lm_head  # int8, run by its own kernel or, where the timed choice says so, the C++ one
+    assert q8.runner.model.quantization == "int8"
+    assert isinstance(lm_head.base if isinstance(lm_head, NativeLinear) else lm_head, Int8Linear)
