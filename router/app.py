@@ -14,9 +14,8 @@ Readiness: ``/health`` says the process answers; ``/ready`` says to send traffic
 balancer stops sending before anything stops serving — and while either pool does not answer.
 
 Invariants: errors before the first token get their real status (429 with Retry-After, 503, …);
-after it, a stream ends with ``data: {"error": …}`` then ``data: [DONE]``, even where Serve's
-``receive()`` fails mid-stream (`router.sse_response`); a client that goes away mid-stream cancels
-the decode stream (the generator is closed, which cancels the Serve stream).
+after it, a stream ends with ``data: {"error": …}`` then ``data: [DONE]``; a client that goes away
+mid-stream cancels the decode stream (the generator is closed, which cancels the Serve stream).
 """
 
 # No ``from __future__ import annotations`` here: Serve ships the ingress class by value, cloudpickle
@@ -31,7 +30,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
@@ -63,7 +62,6 @@ from router.protocol import (
     ModelCard,
     ModelList,
 )
-from router.sse_response import SSEResponse
 
 logger = logging.getLogger("pdserve.router")
 
@@ -188,8 +186,8 @@ class Router:
             await deltas.aclose()
             return stream_error(e).response()
         if stream:
-            return SSEResponse(self._sse(first, deltas, fmt), media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(self._sse(first, deltas, fmt), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             fmt.add(first)
             async for delta in deltas:
