@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cluster.placement import AutoscalingSection, DrainSection, PlacementSection, Scaled
 from decode_worker.config import DecodeWorkerConfig
-from engine.config import EngineConfig, parse_dtype
+from engine.config import AUTO_DTYPE, EngineConfig, parse_dtype
 from prefill_worker.config import KVTransferConfig, PrefillWorkerConfig
 from router.config import DEFAULT_MODEL, RouterConfig
 from router.policy import POLICIES, AffinityParams
@@ -60,7 +60,7 @@ class _Section(BaseModel):
 
 class EngineSection(_Section):
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bf16 where the device computes in it, else fp32 (`engine.config.fast_dtype`)
     block_size: int = Field(default=16, ge=1, le=1024)
     num_threads: int | None = Field(default=None, ge=1)  # torch threads per worker replica
     enable_prefix_cache: bool = True
@@ -68,7 +68,8 @@ class EngineSection(_Section):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, v: str) -> str:
-        parse_dtype(v)  # raises ValueError naming the accepted names
+        if v != AUTO_DTYPE:
+            parse_dtype(v)  # raises ValueError naming the accepted names
         return v
 
     @field_validator("device")

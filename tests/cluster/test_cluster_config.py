@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from cluster.cli import main
 from cluster.config import ClusterConfig, ConfigError, Environment, application_args
+from engine.config import EngineConfig, fast_dtype
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,12 +22,29 @@ def test_local_yaml() -> None:
     cfg = ClusterConfig.from_yaml(DEPLOY / "local.yaml", NO_ENV)
     assert cfg.mode == "disaggregated" and cfg.kv.transport == "gloo"
     p, d, r = cfg.prefill_worker_config(), cfg.decode_worker_config(), cfg.router_config()
-    assert p.engine.device == "cpu" and p.engine.dtype == "float32" and p.kv.transport == "gloo"
+    assert cfg.engine.dtype == "auto" and p.engine.dtype == d.engine.dtype == fast_dtype("cpu")
+    assert p.engine.device == "cpu" and p.kv.transport == "gloo"
     assert p.engine.num_blocks == 256 and d.engine.num_blocks == 512 and d.mode == "disaggregated"
     assert p.kv.secret and p.kv.secret == d.kv.secret
     assert r.served_model_name == "smollm2-135m-instruct" and r.mode == "disaggregated" and r.api_keys == ()
     assert r.max_model_len == 4096 == p.engine.max_model_len
     assert cfg.total_cpus() <= 2
+
+
+def test_dtype_auto_resolves_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` is bf16 where the CPU computes in it, fp32 where bf16 would be emulated, bf16 on CUDA;
+    an EngineConfig never keeps the word itself, and a misspelt dtype names the accepted ones."""
+    for avx512_bf16, amx, want in ((True, False, "bfloat16"), (False, True, "bfloat16"), (False, False, "float32")):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert fast_dtype("cpu") == want
+        assert EngineConfig(dtype="auto").dtype == want
+    assert fast_dtype("cuda:0") == "bfloat16"
+    assert EngineConfig(dtype="float32").dtype == "float32"
+    with pytest.raises(ValueError, match="auto"):
+        EngineConfig(dtype="fp8")
+    with pytest.raises(ValueError, match="fp8"):
+        ClusterConfig.from_args({"engine": {"dtype": "fp8"}}, NO_ENV)
 
 
 def test_colocated_yaml() -> None:
