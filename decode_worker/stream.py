@@ -1,16 +1,20 @@
-"""One request's state inside a decode worker: its event queue, sampler and generated tokens.
+"""One request's state inside a decode worker: its pending events, sampler and generated tokens.
 
 Invariants: events are pushed only from the worker's event loop; ``close`` is called exactly once
-and pushes the stream's final event (the one with a ``finish_reason``).
+and pushes the stream's final event (the one with a ``finish_reason``). ``next_event`` hands the
+consumer everything pushed since its last call as one event (tokens in order, the final event's
+finish reason and timings), so a consumer that falls behind the step loop catches up in one item
+instead of one per token; a token-less final event (abort, error) is never merged into tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
+from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent, merge_events
 from engine.sampling import SamplerState
 
 
@@ -18,7 +22,8 @@ from engine.sampling import SamplerState
 class Stream:
     req: DecodeRequest
     sampler: SamplerState
-    events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    pending: deque[TokenEvent] = field(default_factory=deque)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
     generated: list[int] = field(default_factory=list)  # token 0 included
     next_token: int | None = None  # fed at the next decode step (its KV is not cached yet)
     prefilled: int = 0  # colocated: prompt tokens whose KV is written
@@ -46,6 +51,20 @@ class Stream:
             decode_s=now - self.decode_started if self.decode_started else 0.0,
         )
 
+    def _put(self, ev: TokenEvent) -> None:
+        self.pending.append(ev)
+        self.ready.set()
+
+    async def next_event(self) -> TokenEvent:
+        """Wait for an event, then return it merged with every token event queued behind it."""
+        while not self.pending:
+            self.ready.clear()
+            await self.ready.wait()
+        taken = [self.pending.popleft()]
+        while self.pending and taken[-1].finish_reason is None and taken[-1].token_ids and self.pending[0].token_ids:
+            taken.append(self.pending.popleft())
+        return taken[0] if len(taken) == 1 else merge_events(taken)
+
     def push(self, token_id: int, logprob: float, finish_reason: str | None = None) -> None:
         """Emit one token; with a ``finish_reason`` it is the final event."""
         if self.closed:
@@ -53,7 +72,7 @@ class Stream:
         lps = (logprob,) if self.req.sampling.logprobs else None
         if finish_reason is not None:
             self.closed = True
-        self.events.put_nowait(
+        self._put(
             TokenEvent(
                 request_id=self.request_id,
                 token_ids=(token_id,),
@@ -68,7 +87,7 @@ class Stream:
         if self.closed:
             return
         self.closed = True
-        self.events.put_nowait(
+        self._put(
             TokenEvent(
                 request_id=self.request_id,
                 token_ids=(),

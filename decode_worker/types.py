@@ -49,7 +49,8 @@ KV_LOST = "kv_lost"
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One or more new tokens of one request (usually one per decode step)."""
+    """One or more new tokens of one request: one per decode step, or all of those the consumer had
+    not yet taken when it fell behind (`merge_events`)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -58,3 +59,19 @@ class TokenEvent:
     error: str | None = None
     error_code: str | None = None  # with "error": what failed, for callers that can recover (KV_LOST)
     timings: DecodeTimings | None = None  # on the last event
+
+
+def merge_events(events: list[TokenEvent]) -> TokenEvent:
+    """Successive events of one request as one: tokens (and log-probs) in order, the last event's
+    end. Log-probs survive only if every event carries them."""
+    last = events[-1]
+    lps = [ev.logprobs for ev in events]
+    return TokenEvent(
+        request_id=last.request_id,
+        token_ids=tuple(t for ev in events for t in ev.token_ids),
+        logprobs=None if any(lp is None for lp in lps) else tuple(x for lp in lps if lp is not None for x in lp),
+        finish_reason=last.finish_reason,
+        error=last.error,
+        error_code=last.error_code,
+        timings=last.timings,
+    )

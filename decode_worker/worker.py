@@ -101,10 +101,10 @@ class DecodeWorker:
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(stream.events.get(), self.config.token_timeout_s)
+                    ev = await asyncio.wait_for(stream.next_event(), self.config.token_timeout_s)
                 except asyncio.TimeoutError:
                     self._end(stream, "error", f"no token within {self.config.token_timeout_s:.0f} s")
-                    ev = stream.events.get_nowait()
+                    continue  # the error event is queued now
                 yield ev
                 if ev.finish_reason is not None:
                     return
