@@ -78,6 +78,9 @@ class DecodeWorker:
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Future[None]] = set()
         self.num_steps = 0
+        self.step_seconds = 0.0  # inside the model thread's forwards, summed over steps
+        self.step_sequences = 0
+        self.step_cpu_seconds = 0.0  # CPU time of the model thread in those forwards
         self.num_finished = 0
         self.num_swapped_out = 0
 
@@ -125,6 +128,10 @@ class DecodeWorker:
             ),
             kv_blocks_free=pool.num_free_blocks,
             kv_blocks_total=pool.num_blocks,
+            steps=self.num_steps,
+            step_seconds=self.step_seconds,
+            step_sequences=self.step_sequences,
+            step_cpu_seconds=self.step_cpu_seconds,
         )
 
     def is_idle(self) -> bool:
@@ -231,6 +238,8 @@ class DecodeWorker:
                 self._end(st, "error", f"model step failed: {e}")
             return
         self.num_steps += 1
+        self.step_seconds += dt
+        self.step_sequences += len(seqs)
         if dec_logits is not None:
             self._after_decode(decode, dec_logits)
         if pre_logits is not None:
@@ -239,9 +248,11 @@ class DecodeWorker:
     def _forward(
         self, seqs: list[DecodeSeq], chunks: list[PrefillChunk]
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        cpu0 = time.thread_time()
         runner = self.engine.runner
         dec = runner.decode(seqs) if seqs else None
         pre = runner.prefill(chunks) if chunks else None
+        self.step_cpu_seconds += time.thread_time() - cpu0  # < the step's wall time by its waits (GIL, cores)
         return dec, pre
 
     def _decode_seq(self, st: Stream) -> DecodeSeq:

@@ -60,3 +60,10 @@ class LoadReport:
     kv_blocks_total: int
     outbox_pending: int = 0  # prefill: handles not yet pulled, released or expired
     ready: bool = True
+    # decode / colocated, cumulative since start: engine steps, seconds inside their forwards, the
+    # model thread's CPU seconds in them (less than the wall seconds by what it waited for: the GIL,
+    # a core) and sequences decoded (per-step time and batch = ratios of differences)
+    steps: int = 0
+    step_seconds: float = 0.0
+    step_cpu_seconds: float = 0.0
+    step_sequences: int = 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router import loadboard
@@ -49,6 +49,15 @@ class LoadReportCollector(Collector):
                                  labels=["replica", "role"])
         outbox = GaugeMetricFamily("pdserve:kv_outbox_pending", "KV handles a prefill replica holds for a pull "
                                    "(not yet pulled, released or expired).", labels=["replica", "role"])
+        steps = CounterMetricFamily("pdserve:engine_steps", "Engine steps a decode replica ran.",
+                                    labels=["replica", "role"])
+        step_s = CounterMetricFamily("pdserve:engine_step_seconds", "Seconds a decode replica spent in its "
+                                     "steps' forwards (per step: divide by engine_steps).", labels=["replica", "role"])
+        step_cpu = CounterMetricFamily("pdserve:engine_step_cpu_seconds", "CPU seconds of a decode replica's "
+                                       "model thread in those forwards (below engine_step_seconds by its waits: "
+                                       "the GIL, a busy core).", labels=["replica", "role"])
+        step_seqs = CounterMetricFamily("pdserve:engine_step_sequences", "Sequences decoded in a decode replica's "
+                                        "steps (mean batch: divide by engine_steps).", labels=["replica", "role"])
         for deployment in self._deployments:
             for rid, r in sorted(loadboard.snapshot(deployment).items()):
                 labels = [rid, r.role or deployment]
@@ -58,7 +67,12 @@ class LoadReportCollector(Collector):
                 free.add_metric(labels, r.kv_blocks_free)
                 if r.role == "prefill":
                     outbox.add_metric(labels, r.outbox_pending)
-        yield from (running, waiting, used, free, outbox)
+                else:
+                    steps.add_metric(labels, r.steps)
+                    step_s.add_metric(labels, r.step_seconds)
+                    step_seqs.add_metric(labels, r.step_sequences)
+                    step_cpu.add_metric(labels, r.step_cpu_seconds)
+        yield from (running, waiting, used, free, outbox, steps, step_s, step_cpu, step_seqs)
 
 
 class RouterMetrics:

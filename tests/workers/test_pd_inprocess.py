@@ -50,6 +50,9 @@ async def test_disaggregated_matches_reference(tiny_path, ref_engine) -> None:
             assert reason == "length"
         await wait_until(pd.decode.is_idle)
         assert pd.outbox.pending() == 0
+        rep = pd.decode.load_report()  # the step counters /metrics exports: every token after token 0
+        assert rep.steps > 0 and rep.step_seconds > 0 and rep.step_cpu_seconds > 0
+        assert rep.step_sequences == sum(k - 1 for _, _, k in jobs)
         for pool in (pd.prefill.engine.pool, pd.decode.engine.pool):
             pool.check_integrity()
             assert pool.num_free_blocks == pool.num_blocks
