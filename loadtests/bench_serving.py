@@ -32,7 +32,18 @@ from typing import Any
 
 import httpx
 
-from loadtests.bench_common import MODEL, REPO, RESULTS, ServerProcess, log, machine, yaml_config
+from loadtests.bench_common import (
+    MODEL,
+    REPO,
+    RESULTS,
+    ServerProcess,
+    log,
+    machine,
+    result_doc,
+    write_result,
+    yaml_config,
+)
+from loadtests.schemas import SERVING_SCHEMA
 from loadtests.serving_client import Level, random_prompts, run_level
 from loadtests.vllm_peer import VENV as VLLM_VENV
 
@@ -182,12 +193,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def targets(servers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue #24's targets that this run's levels can judge; None where a figure is missing."""
+    """Issue #24's targets that this run's levels can judge; value and verdict None where a figure is missing."""
     out: list[dict[str, Any]] = []
 
-    def add(name: str, value: float | None, goal: float, direction: str) -> None:
-        met = None if value is None else (value <= goal if direction == "<=" else value >= goal)
-        out.append({"target": name, "value": value, "goal": f"{direction} {goal}", "met": met})
+    def add(name: str, description: str, value: float | None, threshold: float, at_most: bool) -> None:
+        met = None if value is None else (value <= threshold if at_most else value >= threshold)
+        out.append({"name": name, "description": f"{description} ({'<=' if at_most else '>='} {threshold:g})",
+                    "value": value, "threshold": threshold, "met": met})
 
     def p50(server: str, metric: str, prompt_len: int, users: int) -> float | None:
         lv = _level(servers.get(server, {}), prompt_len, users)
@@ -198,22 +210,22 @@ def targets(servers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     for mode in PDSERVE_CONFIGS:
         for users in (1, 8):
             lv = _level(servers.get(mode, {}), 128, users)
-            add(f"{mode}: TPOT / engine step, {users} user(s)", lv["tpot_over_engine_step"] if lv else None,
-                1.15, "<=")
+            add(f"{mode}_tpot_over_engine_step_{users}u", f"{mode}: TPOT / the engine's own step, {users} user(s)",
+                lv["tpot_over_engine_step"] if lv else None, 1.15, True)
     v = "vllm"
-    add("colocated vs vLLM: TTFT at 1,024 tokens, 1 user", _ratio(p50("colocated", "ttft_ms", 1024, 1),
-                                                                  p50(v, "ttft_ms", 1024, 1)), 1.0, "<=")
-    add("colocated vs vLLM: TPOT, 1 user", _ratio(p50("colocated", "tpot_ms", 128, 1), p50(v, "tpot_ms", 128, 1)),
-        1.0, "<=")
-    add("colocated vs vLLM: output tok/s, 8 users", _ratio(p50("colocated", "output_tok_s", 128, 8),
-                                                           p50(v, "output_tok_s", 128, 8)), 1.0, ">=")
+    add("colocated_ttft_1024_vs_vllm", "colocated vs vLLM: TTFT at 1,024 tokens, 1 user",
+        _ratio(p50("colocated", "ttft_ms", 1024, 1), p50(v, "ttft_ms", 1024, 1)), 1.0, True)
+    add("colocated_tpot_1u_vs_vllm", "colocated vs vLLM: TPOT, 1 user",
+        _ratio(p50("colocated", "tpot_ms", 128, 1), p50(v, "tpot_ms", 128, 1)), 1.0, True)
+    add("colocated_tok_s_8u_vs_vllm", "colocated vs vLLM: output tok/s, 8 users",
+        _ratio(p50("colocated", "output_tok_s", 128, 8), p50(v, "output_tok_s", 128, 8)), 1.0, False)
     for users in (1, 8):
-        add(f"disaggregated vs vLLM: TPOT, {users} user(s)",
-            _ratio(p50("disaggregated", "tpot_ms", 128, users), p50(v, "tpot_ms", 128, users)), 1.0, "<=")
-    add("disaggregated vs vLLM: output tok/s, 8 users", _ratio(p50("disaggregated", "output_tok_s", 128, 8),
-                                                               p50(v, "output_tok_s", 128, 8)), 1.0, ">=")
-    add("disaggregated vs vLLM: TTFT at 1,024 tokens, 1 user",
-        _ratio(p50("disaggregated", "ttft_ms", 1024, 1), p50(v, "ttft_ms", 1024, 1)), 1.7, "<=")
+        add(f"disaggregated_tpot_{users}u_vs_vllm", f"disaggregated vs vLLM: TPOT, {users} user(s)",
+            _ratio(p50("disaggregated", "tpot_ms", 128, users), p50(v, "tpot_ms", 128, users)), 1.0, True)
+    add("disaggregated_tok_s_8u_vs_vllm", "disaggregated vs vLLM: output tok/s, 8 users",
+        _ratio(p50("disaggregated", "output_tok_s", 128, 8), p50(v, "output_tok_s", 128, 8)), 1.0, False)
+    add("disaggregated_ttft_1024_vs_vllm", "disaggregated vs vLLM: TTFT at 1,024 tokens, 1 user",
+        _ratio(p50("disaggregated", "ttft_ms", 1024, 1), p50(v, "ttft_ms", 1024, 1)), 1.7, True)
     return out
 
 
@@ -285,23 +297,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             servers[name] = run_pdserve(cfg, levels, vocab)
     if not args.no_vllm and (not only or "vllm" in only):
         servers["vllm"] = run_vllm(levels, vocab, Path(args.vllm_venv))
-    doc: dict[str, Any] = {
-        "benchmark": "serving",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started)),
-        "machine": info,
-        "setup": {"levels": [{"name": lv.name, **lv.__dict__} for lv in levels], "seed": SEED,
-                  "client": "loadtests.serving_client (streamed /v1/completions, token-id prompts, ignore_eos)",
-                  "note": args.note, "wall_s": round(time.time() - started, 1),
-                  "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
-        "results": {"servers": servers, "targets": targets(servers)},
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    setup = {"description": "closed-loop streamed /v1/completions (token-id prompts, ignore_eos, greedy) "
+                            "against each server in turn on this machine (loadtests.serving_client)",
+             "levels": [{"name": lv.name, **lv.__dict__} for lv in levels], "seed": SEED, "note": args.note,
+             "wall_s": round(time.time() - started, 1), "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}
+    config = {name: s["config"] for name, s in servers.items() if "config" in s}
+    doc = result_doc("serving", setup, config, {"servers": servers, "targets": targets(servers)}, info)
+    out = write_result(Path(args.out), doc, SERVING_SCHEMA)
     plot(doc, out.with_suffix(".png"))
     for t in doc["results"]["targets"]:
-        log(f"{'MET ' if t['met'] else 'MISS' if t['met'] is False else 'n/a '} {t['target']}: {t['value']} "
-            f"(goal {t['goal']})")
+        log(f"{'MET ' if t['met'] else 'MISS' if t['met'] is False else 'n/a '} {t['description']}: {t['value']}")
     log(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

@@ -6,7 +6,8 @@ words and numbers), ``config`` (the YAML(s) used) and ``results``. Each benchmar
 ``results`` here; times are milliseconds unless a key says otherwise.
 
 Owners: `INTERFERENCE_SCHEMA` and `GOODPUT_SCHEMA` belong to ``loadtests/bench_interference.py`` and
-``loadtests/bench_goodput.py``; the engine benchmark keeps its ``ENGINE_SCHEMA`` beside them.
+``loadtests/bench_goodput.py``; the engine benchmark keeps its ``ENGINE_SCHEMA`` beside them, the
+serving benchmark (``loadtests/bench_serving.py``) its ``SERVING_SCHEMA``.
 """
 
 from __future__ import annotations
@@ -299,4 +300,39 @@ ENGINE_SCHEMA: dict[str, Any] = _doc("engine", {
         "load_avg_1m": {"type": "array", "items": _num(),
                         "description": "1-minute load average before and after each section: other work on the host"},
     },
+})
+
+
+# ---- serving (loadtests/bench_serving.py) ----
+
+_SERVING_LEVEL: dict[str, Any] = {
+    "type": "object",
+    "required": ["prompt_len", "output_len", "users", "num_requests", "duration_s", "completed", "num_errors",
+                 "ttft_ms", "tpot_ms", "itl_ms", "output_tok_s", "tokens_per_chunk"],
+    "properties": {
+        **{k: {"type": "integer", "minimum": 0} for k in ("prompt_len", "output_len", "users", "num_requests",
+                                                          "completed", "num_errors")},
+        "duration_s": _num(), "output_tok_s": _num(), "tokens_per_chunk": _num(),
+        "ttft_ms": SUMMARY, "tpot_ms": SUMMARY, "itl_ms": SUMMARY,
+        "errors": {"type": "array", "items": {"type": "string"}},
+        # pdserve only: the engine's own step at (users, prompt + output / 2), and the live server's
+        "engine_step_ms": _num(nullable=True), "tpot_over_engine_step": _num(nullable=True),
+        "in_server_step_ms": _num(), "in_server_step_cpu_ms": _num(), "in_server_batch": _num(),
+        "tpot_over_in_server_step": _num(nullable=True),
+    },
+}
+
+_SERVER: dict[str, Any] = {
+    "type": "object",
+    "required": ["kind"],
+    "properties": {"kind": {"enum": ["pdserve", "vllm"]}, "skipped": {"type": "string"},
+                   "levels": {"type": "array", "items": _SERVING_LEVEL},
+                   "engine": {"type": "object", "required": ["dtype", "decode_step_ms", "prefill_1024_ms"]}},
+}
+
+SERVING_SCHEMA: dict[str, Any] = _doc("serving", {
+    "type": "object",
+    "required": ["servers", "targets"],
+    "properties": {"servers": {"type": "object", "additionalProperties": _SERVER},
+                   "targets": {"type": "array", "items": _TARGET}},
 })

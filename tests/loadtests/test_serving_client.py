@@ -71,7 +71,7 @@ def test_targets_compare_like_with_like() -> None:
                            "tpot_ms": {"p50": tpot}, "output_tok_s": tok_s, "tpot_over_engine_step": ratio})
         return {"levels": levels}
 
-    got = {t["target"]: t for t in targets({"colocated": server(300, 20, 200, 1.1),
+    got = {t["description"].rsplit(" (", 1)[0]: t for t in targets({"colocated": server(300, 20, 200, 1.1),
                                             "disaggregated": server(600, 30, 100, 1.5),
                                             "vllm": server(400, 25, 150)})}
     assert got["colocated vs vLLM: TTFT at 1,024 tokens, 1 user"]["value"] == 0.75
@@ -79,10 +79,10 @@ def test_targets_compare_like_with_like() -> None:
     assert got["colocated vs vLLM: output tok/s, 8 users"]["met"] is True
     assert got["disaggregated vs vLLM: TPOT, 1 user(s)"]["met"] is False
     assert got["disaggregated vs vLLM: TTFT at 1,024 tokens, 1 user"]["met"] is True  # 1.5 <= 1.7
-    assert got["colocated: TPOT / engine step, 8 user(s)"]["met"] is True
-    assert got["disaggregated: TPOT / engine step, 1 user(s)"]["met"] is False
+    assert got["colocated: TPOT / the engine's own step, 8 user(s)"]["met"] is True
+    assert got["disaggregated: TPOT / the engine's own step, 1 user(s)"]["met"] is False
     missing = targets({"colocated": server(300, 20, 200)})
-    assert all(t["met"] is None for t in missing if "vLLM" in t["target"])
+    assert all(t["met"] is None and t["value"] is None for t in missing if "vLLM" in t["description"])
 
 
 def test_engine_counters_sum_the_decode_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,3 +97,26 @@ def test_engine_counters_sum_the_decode_replicas(monkeypatch: pytest.MonkeyPatch
     assert engine_counters("http://x") == (15.0, 0.5, 40.0, 0.25)
     monkeypatch.setattr(httpx, "get", lambda *a, **k: httpx.Response(200, text="other 1"))
     assert engine_counters("http://x") is None
+
+
+def test_a_result_document_validates_and_plots(tmp_path) -> None:
+    from loadtests.bench_common import result_doc, write_result
+    from loadtests.bench_serving import plot
+    from loadtests.schemas import SERVING_SCHEMA
+    from loadtests.serving_client import LevelResult
+
+    lv = Level(128, 64, 1, 2)
+    summary = {"n": 2, "mean": 1.0, "p50": 1.0, "p90": 1.0, "p99": 1.0, "max": 1.0}
+    level = LevelResult(lv, 1.0, 2, [], summary, summary, summary, 12.5, 1.0).as_json()
+    pd_level = {**level, "engine_step_ms": 0.9, "tpot_over_engine_step": 1.11, "in_server_step_ms": 0.95,
+                "in_server_step_cpu_ms": 0.9, "in_server_batch": 1.0, "tpot_over_in_server_step": 1.05}
+    servers = {"disaggregated": {"kind": "pdserve", "levels": [pd_level],
+                                 "engine": {"dtype": "bfloat16", "decode_step_ms": {"1x160": 0.9},
+                                            "prefill_1024_ms": 5.0}},
+               "vllm": {"kind": "vllm", "skipped": "not installed here"}}
+    setup = {"description": "synthetic", "levels": [{"name": lv.name, **lv.__dict__}]}
+    doc = result_doc("serving", setup, {}, {"servers": servers, "targets": targets(servers)},
+                     {"cpu": "synthetic", "cpus": 2})
+    out = write_result(tmp_path / "serving.json", doc, SERVING_SCHEMA)
+    plot(doc, out.with_suffix(".png"))
+    assert out.with_suffix(".png").stat().st_size > 10_000
