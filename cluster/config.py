@@ -112,6 +112,7 @@ class PrefillSection(_Pool):
 
 class DecodeSection(_Pool):
     prefill_chunk_size: int = Field(default=0, ge=0)  # colocated only: 0 = whole prompt at once
+    stream_interval: int = Field(default=1, ge=1, le=64)  # tokens per streamed event after the first
     watermark_blocks: int = Field(default=1, ge=0)
     max_swap_blocks: int = Field(default=4096, ge=0)
     # colocated replicas prefill, so a shared prefix pays there; disaggregated decode replicas do not
@@ -242,7 +243,8 @@ class ClusterConfig(_Section):
     def decode_worker_config(self) -> DecodeWorkerConfig:
         d = self.decode
         return DecodeWorkerConfig(model=self.model, engine=self._engine(d), kv=self._kv(), mode=self.mode,
-                                  prefill_chunk_size=d.prefill_chunk_size, watermark_blocks=d.watermark_blocks,
+                                  prefill_chunk_size=d.prefill_chunk_size, stream_interval=d.stream_interval,
+                                  watermark_blocks=d.watermark_blocks,
                                   max_swap_blocks=d.max_swap_blocks, max_queue=d.max_queue,
                                   token_timeout_s=self.limits.token_timeout_s,
                                   model_cache_dir=self.model_cache_dir)

@@ -19,4 +19,7 @@ class DecodeWorkerConfig:
     max_swap_blocks: int = 4096
     max_queue: int = 256  # waiting requests beyond this are refused (the router answers 429)
     token_timeout_s: float = 60.0  # a stream with no token for this long ends with an error
+    # tokens per streamed event after a stream's first (its last may hold fewer): as vLLM's
+    # --stream-interval, fewer Ray items and SSE chunks per token at the cost of burstier arrivals
+    stream_interval: int = 1
     model_cache_dir: str | None = None

@@ -35,7 +35,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import KVImporter
 from decode_worker.scheduler import DecodeScheduler, SchedulerConfig, SchedulerOutput, SeqStatus
 from decode_worker.stream import Stream
-from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent
+from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent, merge_events
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.generate import is_stop
@@ -100,7 +100,12 @@ class DecodeWorker:
             self._end(stream, "error", "decode worker stopped")
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
+        """The stream's events: its first at once, then ``stream_interval`` tokens per event (fewer
+        when the consumer catches up with the end); a token-less end follows the tokens before it."""
         stream = self._admit(req)
+        interval = self.config.stream_interval
+        held: TokenEvent | None = None  # tokens not yet sent, fewer than the interval
+        sent = False
         try:
             while True:
                 try:
@@ -108,7 +113,17 @@ class DecodeWorker:
                 except asyncio.TimeoutError:
                     self._end(stream, "error", f"no token within {self.config.token_timeout_s:.0f} s")
                     continue  # the error event is queued now
+                if held is not None:
+                    if ev.token_ids:
+                        ev = merge_events([held, ev])
+                    else:
+                        yield held
+                    held = None
+                if sent and ev.finish_reason is None and len(ev.token_ids) < interval:
+                    held = ev
+                    continue
                 yield ev
+                sent = True
                 if ev.finish_reason is not None:
                     return
         finally:

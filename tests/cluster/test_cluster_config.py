@@ -141,3 +141,11 @@ def test_build_app_is_a_serve_builder_and_builds_without_starting() -> None:
     for name in ("local.yaml", "local-colocated.yaml", "gpu.yaml"):
         app = call_user_app_builder_with_args_if_necessary(build_app, application_args(DEPLOY / name))
         assert isinstance(app, Application)
+
+
+def test_stream_interval_reaches_the_decode_worker_and_is_bounded() -> None:
+    cfg = ClusterConfig.from_args({"decode": {"stream_interval": 4}}, NO_ENV)
+    assert cfg.decode_worker_config().stream_interval == 4
+    assert ClusterConfig.from_args({}, NO_ENV).decode_worker_config().stream_interval == 1
+    with pytest.raises(ConfigError, match="stream_interval"):
+        ClusterConfig.from_args({"decode": {"stream_interval": 0}}, NO_ENV)

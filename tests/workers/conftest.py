@@ -75,6 +75,7 @@ def make_pd(
     max_num_seqs: int = 64,
     lease_s: float = 30.0,
     max_chunk_tokens: int | None = 512,
+    stream_interval: int = 1,
 ) -> PD:
     pe = Engine.from_dir(path, EngineConfig(num_blocks=prefill_blocks, block_size=16))
     de = Engine.from_dir(
@@ -89,13 +90,14 @@ def make_pd(
     )
     imp = InProcessImporter()
     imp.register(pw)
-    dw = DecodeWorker(de, DecodeWorkerConfig(), importer=imp, eos_token_ids=(EOS,))
+    dw = DecodeWorker(de, DecodeWorkerConfig(stream_interval=stream_interval), importer=imp, eos_token_ids=(EOS,))
     return PD(pw, dw, outbox)
 
 
-def make_colocated(path: Path, chunk: int, blocks: int = 256) -> DecodeWorker:
+def make_colocated(path: Path, chunk: int, blocks: int = 256, stream_interval: int = 1) -> DecodeWorker:
     eng = Engine.from_dir(path, EngineConfig(num_blocks=blocks, block_size=16, enable_prefix_cache=False))
-    return DecodeWorker(eng, DecodeWorkerConfig(mode="colocated", prefill_chunk_size=chunk), eos_token_ids=(EOS,))
+    cfg = DecodeWorkerConfig(mode="colocated", prefill_chunk_size=chunk, stream_interval=stream_interval)
+    return DecodeWorker(eng, cfg, eos_token_ids=(EOS,))
 
 
 async def collect(worker: DecodeWorker, req) -> tuple[list[int], str, str | None]:

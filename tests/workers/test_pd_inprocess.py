@@ -260,3 +260,37 @@ async def test_short_prompts_pass_a_long_one_between_its_chunks(tiny_path, ref_e
         assert done[-1] == "long" and out["long"][1] == -(-600 // cap)  # ten chunks of ≤ 64
         assert all(out[f"s{i}"][1] == 1 for i in range(3))
     assert pd.prefill.engine.pool.num_used_blocks == 0 and pd.outbox.pending() == 0
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+async def test_stream_interval_sends_tokens_in_groups_and_loses_none(tiny_path, ref_engine, mode: str) -> None:
+    """``stream_interval=3``: the first event at once, then at least 3 tokens an event but the last;
+    the tokens are the reference's, whatever the grouping."""
+    rng = random.Random(5)
+    prompt, k = random_prompt(rng, 40), 11
+    params = SamplingParams(max_tokens=k, ignore_eos=True)
+    if mode == "colocated":
+        worker = make_colocated(tiny_path, chunk=0, stream_interval=3)
+        req = DecodeRequest("s1", prompt, params)
+        first: list[int] = []
+        pd = None
+    else:
+        pd = make_pd(tiny_path, stream_interval=3)
+        await pd.prefill.start()
+        worker = pd.decode
+        res = await pd.prefill.prefill(PrefillRequest("s1", prompt, params))
+        req = DecodeRequest("s1", prompt, params, first_token_id=res.token_id, handle=res.handle)
+        first = [res.token_id]
+    await worker.start()
+    try:
+        sizes, tokens, reason = [], list(first), None
+        async for ev in worker.generate(req):
+            sizes.append(len(ev.token_ids))
+            tokens.extend(ev.token_ids)
+            reason = ev.finish_reason
+        assert tokens == reference(ref_engine, prompt, params) and reason == "length"
+        assert all(n >= 3 for n in sizes[1:-1]) and len(sizes) < k
+    finally:
+        await worker.stop()
+        if pd is not None:
+            await pd.prefill.stop()
