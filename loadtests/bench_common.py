@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -204,35 +204,58 @@ def new_record(kind: str, body: Mapping[str, Any], user: int = -1, prompt_tokens
                          sent=time.perf_counter(), user=user)
 
 
+class StreamFailed(Exception):
+    """An event stream that carried an error chunk or ended without ``data: [DONE]``."""
+
+
+async def sse_chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI event stream up to its ``data: [DONE]``; `StreamFailed` on an
+    error chunk or an end without ``[DONE]``."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line[6:] == "[DONE]":
+            return
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise StreamFailed(f"stream error: {chunk['error']}")
+        yield chunk
+    raise StreamFailed("the stream ended without [DONE]")
+
+
+async def stream_request(client: httpx.AsyncClient, path: str, body: Mapping[str, Any],
+                         on_chunk: Callable[[dict[str, Any]], None]) -> str | None:
+    """POST a streamed request and hand each chunk to ``on_chunk``; the error in words, or None once
+    ``[DONE]`` arrived."""
+    try:
+        async with client.stream("POST", path, json=body) as resp:
+            if resp.status_code != 200:
+                return f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            async for chunk in sse_chunks(resp):
+                on_chunk(chunk)
+    except StreamFailed as e:
+        return str(e)
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 async def fill_stream(client: httpx.AsyncClient, body: Mapping[str, Any], rec: RequestRecord) -> RequestRecord:
     """POST one streamed chat request into ``rec``; server and network errors go in ``rec.error``.
 
     Cancelling the caller leaves ``rec`` with the tokens that arrived so far (and no ``end``).
     """
+
+    def record(chunk: dict[str, Any]) -> None:
+        if chunk.get("choices"):
+            rec.arrivals.append(time.perf_counter())
+        if chunk.get("usage"):
+            rec.usage_tokens = int(chunk["usage"]["completion_tokens"])
+
     rec.sent = time.perf_counter()
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    rec.end = time.perf_counter()
-                    return rec
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    rec.error = f"stream error: {chunk['error']}"
-                    return rec
-                if chunk.get("choices"):
-                    rec.arrivals.append(time.perf_counter())
-                if chunk.get("usage"):
-                    rec.usage_tokens = int(chunk["usage"]["completion_tokens"])
-            rec.error = "the stream ended without [DONE]"
-    except httpx.HTTPError as e:
-        rec.error = f"{type(e).__name__}: {e}"
+    rec.error = await stream_request(client, "/v1/chat/completions", body, record)
+    if rec.error is None:
+        rec.end = time.perf_counter()
     return rec
 
 

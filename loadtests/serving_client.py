@@ -15,7 +15,6 @@ tokens/s is every completed request's tokens over the level's wall time.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from loadtests.bench_common import summarize
+from loadtests.bench_common import stream_request, summarize
 
 
 @dataclass(frozen=True)
@@ -83,33 +82,19 @@ def request_body(model: str, prompt: Sequence[int], output_len: int) -> dict[str
 
 async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> Sample:
     s = Sample(sent=time.perf_counter())
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                s.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return s
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    s.end = time.perf_counter()
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    s.error = f"stream error: {chunk['error']}"
-                    return s
-                choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
-                    s.chunks.append(time.perf_counter())
-                if chunk.get("usage"):
-                    s.tokens = int(chunk["usage"]["completion_tokens"])
-    except httpx.HTTPError as e:
-        s.error = f"{type(e).__name__}: {e}"
+
+    def record(chunk: dict[str, Any]) -> None:
+        choices = chunk.get("choices") or []
+        if choices and choices[0].get("text"):
+            s.chunks.append(time.perf_counter())
+        if chunk.get("usage"):
+            s.tokens = int(chunk["usage"]["completion_tokens"])
+
+    s.error = await stream_request(client, "/v1/completions", body, record)
+    if s.error is not None:
         return s
-    if s.end is None:
-        s.error = "the stream ended without [DONE]"
-    elif s.tokens != body["max_tokens"]:
+    s.end = time.perf_counter()
+    if s.tokens != body["max_tokens"]:
         s.error = f"{s.tokens} tokens generated, {body['max_tokens']} asked for with ignore_eos"
     elif not s.chunks:
         s.error = "no content chunk"
