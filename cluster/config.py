@@ -27,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.placement import AutoscalingSection, DrainSection, PlacementSection, Scaled
 from decode_worker.config import DecodeWorkerConfig
 from engine.config import AUTO_DTYPE, EngineConfig, parse_dtype
-from prefill_worker.config import KVTransferConfig, PrefillWorkerConfig
+from kv_transfer.config import KVTransferConfig
+from prefill_worker.config import PrefillWorkerConfig
 from router.config import DEFAULT_MODEL, RouterConfig
 from router.policy import POLICIES, AffinityParams
 

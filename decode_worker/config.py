@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from prefill_worker.config import KVTransferConfig
+from kv_transfer.config import KVTransferConfig
 
 
 @dataclass(frozen=True)

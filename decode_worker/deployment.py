@@ -28,12 +28,12 @@ from decode_worker.types import DecodeRequest, TokenEvent
 from decode_worker.worker import DecodeWorker
 from engine.engine import Engine
 from engine.errors import QueueFullError
+from engine.load_report import LoadReport
 from engine.tokenizer import Tokenizer
 from kv_transfer.client import KVPuller, PullerConfig
+from kv_transfer.config import node_address
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
-from prefill_worker.deployment import node_address
-from prefill_worker.types import LoadReport
 
 log = logging.getLogger(__name__)
 

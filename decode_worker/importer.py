@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from engine.engine import Engine
 from engine.kv_cache import KVCache
 from kv_transfer.client import KVPuller
 from kv_transfer.errors import TransferRefused
 from kv_transfer.handle import KVHandle
-
-if TYPE_CHECKING:
-    from prefill_worker.worker import PrefillWorker
+from kv_transfer.layout import KVLayout
+from kv_transfer.outbox import Outbox
 
 
 @dataclass(frozen=True)
@@ -38,16 +38,26 @@ class KVImporter(Protocol):
     async def close(self) -> None: ...
 
 
+class LocalSource(Protocol):
+    """What the in-process importer reads from a prefill worker in this process (a
+    `prefill_worker.PrefillWorker` is one): its advertised address, KV layout, outbox and engine."""
+
+    source: tuple[str, int]
+    layout: KVLayout
+    outbox: Outbox
+    engine: Engine
+
+
 class InProcessImporter:
     """Copies from prefill workers living in this process, found by their advertised address."""
 
     def __init__(self) -> None:
-        self.sources: dict[tuple[str, int], PrefillWorker] = {}
+        self.sources: dict[tuple[str, int], LocalSource] = {}
 
-    def register(self, worker: PrefillWorker) -> None:
+    def register(self, worker: LocalSource) -> None:
         self.sources[worker.source] = worker
 
-    def _source(self, handle: KVHandle) -> PrefillWorker:
+    def _source(self, handle: KVHandle) -> LocalSource:
         src = self.sources.get((handle.source_host, handle.source_port))
         if src is None:
             raise TransferRefused(f"unknown KV source {handle.source_host}:{handle.source_port}")

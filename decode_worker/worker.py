@@ -39,9 +39,9 @@ from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent, merge_events
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.generate import is_stop
+from engine.load_report import LoadReport
 from engine.runner import DecodeSeq, PrefillChunk
 from engine.sampling import SamplerState, sample
-from prefill_worker.types import LoadReport
 
 log = logging.getLogger(__name__)
 

@@ -5,18 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """How this replica's KV leaves (prefill) or arrives (decode)."""
-
-    transport: str = "gloo"  # "gloo" | "nccl" | "local"
-    host: str | None = None  # address the control channel binds to; None: this node's IP
-    port: int = 0  # 0: a free port
-    secret: str = ""  # cluster secret for the control channel HMAC
-    lease_s: float = 30.0  # outbox lease: blocks not pulled by then are freed
-    timeout_s: float = 30.0  # every wait on a peer
+from kv_transfer.config import KVTransferConfig
 
 
 @dataclass(frozen=True)

@@ -21,29 +21,17 @@ from typing import Any
 import torch
 
 from engine.engine import Engine
+from engine.load_report import LoadReport
 from engine.tokenizer import Tokenizer
+from kv_transfer.config import node_address
 from kv_transfer.layout import KVLayout
 from kv_transfer.outbox import Outbox
 from kv_transfer.server import KVSource, SourceConfig
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.types import LoadReport, PrefillRequest, PrefillResult
+from prefill_worker.types import PrefillRequest, PrefillResult
 from prefill_worker.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
-
-
-def node_address() -> str:
-    """This node's address as Ray knows it (what other nodes reach), outside Ray the host's IP."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return str(ray.util.get_node_ip_address())
-    except Exception:
-        pass
-    from kv_transfer.server import node_ip
-
-    return node_ip()
 
 
 class PrefillServer:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.generate import is_stop
+from engine.load_report import LoadReport
 from engine.runner import PrefillChunk
 from engine.sampling import SamplerState, sample
 from kv_transfer.handle import KVHandle
@@ -45,7 +46,7 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.outbox import Outbox
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.planner import grant_tokens, wants_more
-from prefill_worker.types import LoadReport, PrefillRequest, PrefillResult, PrefillTimings
+from prefill_worker.types import PrefillRequest, PrefillResult, PrefillTimings
 
 log = logging.getLogger(__name__)
 

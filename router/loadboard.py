@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from prefill_worker.types import LoadReport
+from engine.load_report import LoadReport
 
 _board: dict[str, Mapping[str, LoadReport]] = {}
 

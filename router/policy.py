@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import block_hashes
-from prefill_worker.types import LoadReport
+from engine.load_report import LoadReport
 
 
 @dataclass(frozen=True)

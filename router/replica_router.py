@@ -38,7 +38,8 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from decode_worker.types import DecodeRequest
-from prefill_worker.types import LoadReport, PrefillRequest
+from engine.load_report import LoadReport
+from prefill_worker.types import PrefillRequest
 from router import loadboard
 from router.policy import AffinityParams, choose, rank_replicas
 

@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from decode_worker.types import DecodeRequest, TokenEvent
-from prefill_worker.types import LoadReport, PrefillRequest, PrefillResult
+from engine.load_report import LoadReport
+from prefill_worker.types import PrefillRequest, PrefillResult
 from tests.router.pd_fakes import FakeDecode, FakePrefill, _text, successor
 
 

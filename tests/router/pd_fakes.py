@@ -25,9 +25,10 @@ from pathlib import Path
 
 from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
 from engine.errors import QueueFullError
+from engine.load_report import LoadReport
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
-from prefill_worker.types import LoadReport, PrefillRequest, PrefillResult, PrefillTimings
+from prefill_worker.types import PrefillRequest, PrefillResult, PrefillTimings
 from router.config import RouterConfig
 
 EOS = 0

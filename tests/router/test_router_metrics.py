@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from prefill_worker.types import LoadReport
+from engine.load_report import LoadReport
 from router import loadboard
 from router.metrics import RouterMetrics
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from prefill_worker.types import LoadReport
+from engine.load_report import LoadReport
 from router.policy import (
     AffinityParams,
     choose,

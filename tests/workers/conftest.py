@@ -17,8 +17,9 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import generate
 from engine.sampling import SamplingParams
+from kv_transfer.config import KVTransferConfig
 from kv_transfer.outbox import Outbox
-from prefill_worker.config import KVTransferConfig, PrefillWorkerConfig
+from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.types import PrefillRequest
 from prefill_worker.worker import PrefillWorker
 from tests.tiny_models import make_tiny

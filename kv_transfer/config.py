@@ -1,0 +1,36 @@
+"""Where a replica's KV transfer endpoint lives: `KVTransferConfig` and `node_address`.
+
+Owns the settings both pools share for moving KV (transport, control-channel address and secret,
+lease, timeouts), so the prefill and decode packages each depend on kv_transfer, never on each
+other. `node_address` is the address other nodes reach this one at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """How this replica's KV leaves (prefill) or arrives (decode)."""
+
+    transport: str = "gloo"  # "gloo" | "nccl" | "local"
+    host: str | None = None  # address the control channel binds to; None: this node's IP
+    port: int = 0  # 0: a free port
+    secret: str = ""  # cluster secret for the control channel HMAC
+    lease_s: float = 30.0  # outbox lease: blocks not pulled by then are freed
+    timeout_s: float = 30.0  # every wait on a peer
+
+
+def node_address() -> str:
+    """This node's address as Ray knows it (what other nodes reach), outside Ray the host's IP."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except Exception:
+        pass
+    from kv_transfer.server import node_ip
+
+    return node_ip()
