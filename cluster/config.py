@@ -55,6 +55,13 @@ class Environment:
                    model_cache=env.get("PDSERVE_MODEL_CACHE") or None)
 
 
+def known_policy(name: str) -> str:
+    """``name`` if it is a registered routing policy (`router.policy.POLICIES`), else a ValueError naming them."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; expected one of {sorted(POLICIES)}")
+    return name
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -107,8 +114,13 @@ class PrefillSection(_Pool):
     max_chunk_tokens: int | None = Field(default=512, ge=1)  # one prompt's most tokens per forward; None: budget
     warmup_tokens: int | None = Field(default=None, ge=0)  # start-up forward; None: max_batch_tokens, 0: none
     num_blocks: int = Field(default=512, ge=1)
-    policy: Literal["least_outstanding_tokens", "prefix_affinity"] = "prefix_affinity"
+    policy: str = "prefix_affinity"  # a name in router.policy.POLICIES
     affinity: AffinitySection = AffinitySection()
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        return known_policy(v)
 
 
 class DecodeSection(_Pool):
@@ -117,8 +129,13 @@ class DecodeSection(_Pool):
     watermark_blocks: int = Field(default=1, ge=0)
     max_swap_blocks: int = Field(default=4096, ge=0)
     # colocated replicas prefill, so a shared prefix pays there; disaggregated decode replicas do not
-    policy: Literal["least_outstanding_tokens", "prefix_affinity"] | None = None
+    policy: str | None = None  # a name in router.policy.POLICIES; None: by mode (`decode_policy`)
     affinity: AffinitySection = AffinitySection()
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str | None) -> str | None:
+        return v if v is None else known_policy(v)
 
 
 class RouterSection(_Section, Scaled):
@@ -300,7 +317,6 @@ class ClusterConfig(_Section):
         return data
 
 
-assert set(POLICIES) == {"least_outstanding_tokens", "prefix_affinity"}  # the Literal types above
 
 
 def format_errors(e: ValidationError, source: str) -> str:

@@ -1,7 +1,8 @@
 """Routing policies: pure functions from replica load reports (and a prompt) to a replica id.
 
-Owns: `least_outstanding_tokens`, `prefix_affinity` and the ranking helper `rank_replicas` the
-Serve adapter (`router.replica_router`) turns into Serve's candidate ranks.
+Owns: `least_outstanding_tokens`, `prefix_affinity`, the registry `POLICIES` that the config's
+choices come from (a new policy is one function plus ``@register(name)``), and the ranking helper
+`rank_replicas` the Serve adapter (`router.replica_router`) turns into Serve's candidate ranks.
 
 Invariants:
 - every function is deterministic: the same reports and prompt give the same answer in every
@@ -15,7 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.block_pool import block_hashes
@@ -101,7 +102,36 @@ def prefix_affinity(
     return chosen.replica_id
 
 
-POLICIES = ("least_outstanding_tokens", "prefix_affinity")
+#: A routing policy: (the request's prompt tokens, or None for a call without one, the replicas'
+#: reports, the affinity knobs) → the chosen replica id.
+Policy = Callable[[Sequence[int] | None, Sequence[LoadReport], AffinityParams], str]
+
+#: Every policy by its config name; `cluster.config` accepts exactly these names.
+POLICIES: dict[str, Policy] = {}
+
+
+def register(name: str) -> Callable[[Policy], Policy]:
+    """Add a policy under ``name`` (a new policy is one function and this decorator)."""
+
+    def add(fn: Policy) -> Policy:
+        if name in POLICIES:
+            raise ValueError(f"routing policy {name!r} is registered twice")
+        POLICIES[name] = fn
+        return fn
+
+    return add
+
+
+@register("least_outstanding_tokens")
+def _least_outstanding(prompt: Sequence[int] | None, reports: Sequence[LoadReport], params: AffinityParams) -> str:
+    return least_outstanding_tokens(reports)
+
+
+@register("prefix_affinity")
+def _prefix_affinity(prompt: Sequence[int] | None, reports: Sequence[LoadReport], params: AffinityParams) -> str:
+    if prompt is None:  # e.g. load(): no prefix to follow
+        return least_outstanding_tokens(reports)
+    return prefix_affinity(prompt, reports, params)
 
 
 def choose(
@@ -110,12 +140,11 @@ def choose(
     reports: Sequence[LoadReport],
     params: AffinityParams | None = None,
 ) -> str:
-    """Dispatch by policy name; a request without a prompt (e.g. ``load()``) uses least outstanding."""
-    if policy == "prefix_affinity" and prompt_token_ids is not None:
-        return prefix_affinity(prompt_token_ids, reports, params)
-    if policy not in POLICIES:
-        raise ValueError(f"unknown routing policy {policy!r}; expected one of {POLICIES}")
-    return least_outstanding_tokens(reports)
+    """Dispatch by policy name (`POLICIES`); unknown names raise `ValueError` naming the known ones."""
+    fn = POLICIES.get(policy)
+    if fn is None:
+        raise ValueError(f"unknown routing policy {policy!r}; expected one of {sorted(POLICIES)}")
+    return fn(prompt_token_ids, reports, params or AffinityParams())
 
 
 def rank_replicas(first: str, reports: Sequence[LoadReport]) -> list[list[str]]:

@@ -43,6 +43,8 @@ from prefill_worker.types import PrefillRequest
 from router import loadboard
 from router.policy import AffinityParams, choose, rank_replicas
 
+_PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(AffinityParams))  # the rest of Serve's kwargs are not ours
+
 T = TypeVar("T")
 
 TENTATIVE_TTL_S = 10.0  # a choice Serve has not confirmed by then is taken as abandoned
@@ -61,22 +63,9 @@ def request_tokens(pending_request: PendingRequest | None) -> Sequence[int] | No
 class LoadAwareRequestRouter(RequestRouter):
     """Routes by `router.policy` over replica load reports (see the module docstring)."""
 
-    def initialize_state(
-        self,
-        policy: str = "least_outstanding_tokens",
-        block_size: int = 16,
-        max_prefix_blocks: int = 4,
-        imbalance_ratio: float = 2.0,
-        imbalance_tokens: int = 2048,
-        **_: Any,
-    ) -> None:
+    def initialize_state(self, policy: str = "least_outstanding_tokens", **params: Any) -> None:
         self._policy = policy
-        self._params = AffinityParams(
-            block_size=block_size,
-            max_prefix_blocks=max_prefix_blocks,
-            imbalance_ratio=imbalance_ratio,
-            imbalance_tokens=imbalance_tokens,
-        )
+        self._params = AffinityParams(**{k: v for k, v in params.items() if k in _PARAM_FIELDS})
         self._lock = threading.Lock()
         self._inflight: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
         self._inflight_tokens: dict[str, int] = {}  # replica -> tokens (tentative and confirmed)
@@ -181,13 +170,7 @@ def with_routing_stats(cls: type[T]) -> type[T]:
 
 def router_config_kwargs(policy: str, params: AffinityParams) -> dict[str, Any]:
     """``request_router_kwargs`` for `LoadAwareRequestRouter.initialize_state` (JSON-able values)."""
-    return {
-        "policy": policy,
-        "block_size": params.block_size,
-        "max_prefix_blocks": params.max_prefix_blocks,
-        "imbalance_ratio": params.imbalance_ratio,
-        "imbalance_tokens": params.imbalance_tokens,
-    }
+    return {"policy": policy, **dataclasses.asdict(params)}
 
 
 def serve_router_config(

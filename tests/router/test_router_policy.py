@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 
+from cluster.config import ClusterConfig, ConfigError, Environment
 from engine.load_report import LoadReport
 from router.policy import (
+    POLICIES,
     AffinityParams,
     choose,
     consistent_replica,
@@ -15,6 +18,7 @@ from router.policy import (
     prefix_affinity,
     prefix_key,
     rank_replicas,
+    register,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -102,3 +106,26 @@ def test_affinity_params_validate() -> None:
         AffinityParams(block_size=0)
     with pytest.raises(ValueError):
         AffinityParams(imbalance_ratio=0.5)
+
+
+def test_a_new_policy_is_one_function_and_one_registration() -> None:
+    """Registered, it is a config choice and `choose` runs it; unknown names are refused by both."""
+
+    @register("most_free_blocks")
+    def most_free(prompt: Sequence[int] | None, reports: Sequence[LoadReport], params: AffinityParams) -> str:
+        return max(reports, key=lambda r: (r.kv_blocks_free, r.replica_id)).replica_id
+
+    try:
+        reports = [rep("a"), LoadReport("b", "prefill", 0, 0, 99, 50, 50)]
+        assert choose("most_free_blocks", [1, 2, 3], reports) == "b"
+        cfg = ClusterConfig.from_args({"prefill": {"policy": "most_free_blocks"},
+                                       "decode": {"policy": "most_free_blocks"}}, Environment())
+        assert cfg.prefill.policy == "most_free_blocks" and cfg.decode_policy() == "most_free_blocks"
+        with pytest.raises(ValueError, match="registered twice"):
+            register("most_free_blocks")(most_free)
+        with pytest.raises(ValueError, match="most_free_blocks"):  # the error lists the registered names
+            choose("no_such_policy", None, reports)
+        with pytest.raises(ConfigError, match="no_such_policy"):
+            ClusterConfig.from_args({"prefill": {"policy": "no_such_policy"}}, Environment())
+    finally:
+        POLICIES.pop("most_free_blocks", None)
