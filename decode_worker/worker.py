@@ -38,7 +38,6 @@ from decode_worker.stream import Stream
 from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent, merge_events
 from engine.engine import Engine
 from engine.errors import QueueFullError
-from engine.generate import is_stop
 from engine.load_report import LoadReport
 from engine.runner import DecodeSeq, PrefillChunk
 from engine.sampling import SamplerState, sample
@@ -363,7 +362,7 @@ class DecodeWorker:
         st.next_token = tok
         params = st.req.sampling
         reason = None
-        if is_stop(tok, params, self.eos_ids):
+        if params.is_stop(tok, self.eos_ids):
             reason = "stop"
         elif len(st.generated) >= params.max_tokens:
             reason = "length"

@@ -21,10 +21,6 @@ class GenerateOutput:
     finish_reason: str  # "stop" | "length"
 
 
-def is_stop(token_id: int, params: SamplingParams, eos_ids: Sequence[int]) -> bool:
-    return token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids)
-
-
 def generate(
     engine: Engine,
     prompt_ids: Sequence[int],
@@ -42,13 +38,13 @@ def generate(
         ids, lps = sample(logits, [state])
         out, out_lp = [ids[0]], [lps[0]]
         pos = len(prompt_ids)
-        while len(out) < params.max_tokens and not is_stop(out[-1], params, eos):
+        while len(out) < params.max_tokens and not params.is_stop(out[-1], eos):
             logits = engine.runner.decode([DecodeSeq(out[-1], pos, blocks)])
             ids, lps = sample(logits, [state])
             out.append(ids[0])
             out_lp.append(lps[0])
             pos += 1
-        reason = "stop" if is_stop(out[-1], params, eos) else "length"
+        reason = "stop" if params.is_stop(out[-1], eos) else "length"
         return GenerateOutput(out, out_lp, reason)
     finally:
         engine.pool.free(blocks)

@@ -10,6 +10,7 @@ ran in; the log-probability returned is of the chosen token under the *unmodifie
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def is_stop(self, token_id: int, eos_ids: Sequence[int]) -> bool:
+        """Whether ``token_id`` ends the sequence: a stop id, or EOS unless ``ignore_eos``."""
+        return token_id in self.stop_token_ids or (not self.ignore_eos and token_id in eos_ids)
 
 
 @dataclass

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 
 from engine.engine import Engine
 from engine.errors import QueueFullError
-from engine.generate import is_stop
 from engine.load_report import LoadReport
 from engine.runner import PrefillChunk
 from engine.sampling import SamplerState, sample
@@ -226,7 +225,7 @@ class PrefillWorker:
             num_chunks=job.num_chunks,
         )
         self.num_prefilled += 1
-        stop = is_stop(token, req.sampling, self.eos_ids)
+        stop = req.sampling.is_stop(token, self.eos_ids)
         if stop or req.sampling.max_tokens == 1 or job.future.done():  # done: the caller gave up
             pool.free(job.blocks)
             result = PrefillResult(
