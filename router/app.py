@@ -13,6 +13,9 @@ Readiness: ``/health`` says the process answers; ``/ready`` says to send traffic
 503 while the app's drain flag is set (`router.drain`) — the first thing a drain changes, so a load
 balancer stops sending before anything stops serving — and while either pool does not answer.
 
+Errors are raised as `router.errors.APIError` and answered by the app's exception handlers
+(`install_handlers`), so no endpoint formats one itself.
+
 Invariants: errors before the first token get their real status (429 with Retry-After, 503, …);
 after it, a stream ends with ``data: {"error": …}`` then ``data: [DONE]``; a client that goes away
 mid-stream cancels the decode stream (the generator is closed, which cancels the Serve stream).
@@ -149,26 +152,20 @@ class Router:
     # ---- OpenAI endpoints ----
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        try:
-            req: CompletionRequest = await self._parse(request, CompletionRequest)
-            prompt = completion_prompt(req, self._codec)
-            fmt: Formatter = CompletionFormatter(
-                model=req.model, codec=self._codec, prompt_tokens=len(prompt),
-                logprobs=req.logprobs is not None, include_usage=req.include_usage)
-            return await self._run(req.stream, prompt, req, fmt)
-        except APIError as e:
-            return e.response()
+        req: CompletionRequest = await self._parse(request, CompletionRequest)
+        prompt = completion_prompt(req, self._codec)
+        fmt: Formatter = CompletionFormatter(
+            model=req.model, codec=self._codec, prompt_tokens=len(prompt),
+            logprobs=req.logprobs is not None, include_usage=req.include_usage)
+        return await self._run(req.stream, prompt, req, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        try:
-            req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-            prompt = chat_prompt(req, self._codec)
-            fmt: Formatter = ChatFormatter(model=req.model, codec=self._codec, prompt_tokens=len(prompt),
-                                           logprobs=req.logprobs, include_usage=req.include_usage)
-            return await self._run(req.stream, prompt, req, fmt)
-        except APIError as e:
-            return e.response()
+        req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+        prompt = chat_prompt(req, self._codec)
+        fmt: Formatter = ChatFormatter(model=req.model, codec=self._codec, prompt_tokens=len(prompt),
+                                       logprobs=req.logprobs, include_usage=req.include_usage)
+        return await self._run(req.stream, prompt, req, fmt)
 
     async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter
                    ) -> Response:
@@ -219,38 +216,26 @@ class Router:
     # ---- service endpoints ----
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-        except APIError as e:
-            return e.response()
+        self._authorize(request)
         card = ModelCard(id=self._config.served_model_name, created=int(time.time()),
                          max_model_len=self._max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.get("/health")
     async def health(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-        except APIError as e:
-            return e.response()
+        self._authorize(request)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-            if self._drain.is_set():
-                raise draining()
-            if not await self._backends.ready():
-                raise unavailable("The prefill or decode pool is not ready.")
-        except APIError as e:
-            return e.response()
+        self._authorize(request)
+        if self._drain.is_set():
+            raise draining()
+        if not await self._backends.ready():
+            raise unavailable("The prefill or decode pool is not ready.")
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-        except APIError as e:
-            return e.response()
+        self._authorize(request)
         return Response(self._metrics.render(), media_type=CONTENT_TYPE)
