@@ -7,7 +7,9 @@ transfer completed (see `streams.py`).
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -15,39 +17,32 @@ from kv_transfer.streams import GatherStream, ScatterStream
 from kv_transfer.transport import KVTransport, TransportInfo
 
 
-def _left(deadline: float) -> float:
-    return max(deadline - time.monotonic(), 0.001)
+def open_then(transport: KVTransport, offer: TransportInfo | None, timeout_s: float,
+              move: Callable[[float], object]) -> None:
+    """Open the pair if ``offer`` is new, then ``move(seconds left)``: both within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    if offer is not None:
+        transport.open(offer, timeout_s)
+    move(max(deadline - time.monotonic(), 0.001))
 
 
 def open_and_send(transport: KVTransport, offer: TransportInfo | None, tensors: list[torch.Tensor],
                   timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    if offer is not None:
-        transport.open(offer, timeout_s)
-    transport.send(tensors, _left(deadline))
+    open_then(transport, offer, timeout_s, functools.partial(transport.send, tensors))
 
 
 def open_and_send_stream(transport: KVTransport, offer: TransportInfo | None, stream: GatherStream,
                          timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    if offer is not None:
-        transport.open(offer, timeout_s)
-    transport.send_stream(stream, _left(deadline))
+    open_then(transport, offer, timeout_s, functools.partial(transport.send_stream, stream))
     stream.complete()
 
 
 def open_and_recv(transport: KVTransport, offer: TransportInfo | None, into: list[torch.Tensor],
                   timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    if offer is not None:
-        transport.open(offer, timeout_s)
-    transport.recv(into, _left(deadline))
+    open_then(transport, offer, timeout_s, functools.partial(transport.recv, into))
 
 
 def open_and_recv_stream(transport: KVTransport, offer: TransportInfo | None, stream: ScatterStream,
                          timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    if offer is not None:
-        transport.open(offer, timeout_s)
-    transport.recv_stream(stream, _left(deadline))
+    open_then(transport, offer, timeout_s, functools.partial(transport.recv_stream, stream))
     stream.complete()
