@@ -14,7 +14,6 @@ object; replica classes can be swapped (tests pass fakes with the same construct
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -94,12 +93,9 @@ def compose_app(
             **_scaling(cfg.prefill),
         ).bind(cfg.prefill_worker_config())
 
-    router_cfg = cfg.router_config()
-    if codec_factory is not None:
-        router_cfg = dataclasses.replace(router_cfg, codec_factory=codec_factory)
     return cast(Deployment, Router).options(
         name="router",
         max_ongoing_requests=cfg.router.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.router.num_cpus} | actor_placement(cfg.router.placement),
         **_scaling(cfg.router),
-    ).bind(prefill, decode, router_cfg)
+    ).bind(prefill, decode, cfg.router_config(), codec_factory)

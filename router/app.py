@@ -29,7 +29,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -39,7 +39,7 @@ from ray import serve
 
 from router.admission import Admission
 from router.backends import Backends
-from router.codec import load_codec
+from router.codec import TextCodec, load_codec
 from router.config import RouterConfig
 from router.drain import DrainFlag, current_app_name
 from router.errors import (
@@ -108,12 +108,13 @@ def stream_error(exc: BaseException) -> APIError:
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=1000)
 @serve.ingress(app)
 class Router:
-    def __init__(self, prefill_handle: Any | None, decode_handle: Any, config: RouterConfig) -> None:
+    def __init__(self, prefill_handle: Any | None, decode_handle: Any, config: RouterConfig,
+                 codec_factory: Callable[[RouterConfig], TextCodec] | None = None) -> None:
         if (prefill_handle is None) != (config.mode == "colocated"):
             raise ValueError(f"mode {config.mode!r} needs {'no' if config.mode == 'colocated' else 'a'} "
                              "prefill handle")
         self._config = config
-        self._codec = load_codec(config)
+        self._codec = codec_factory(config) if codec_factory is not None else load_codec(config)
         self._max_model_len = config.max_model_len or self._codec.max_model_len or _FALLBACK_MAX_MODEL_LEN
         names = [h.deployment_name for h in (prefill_handle, decode_handle) if h is not None]
         self._metrics = RouterMetrics(load_deployments=names)

@@ -3,7 +3,7 @@
 Owns: the `TextCodec` protocol the router programs against (encode, chat template, per-token text
 for logprobs, a fresh incremental detokenizer per request) and `EngineTextCodec`, its
 implementation over `engine.tokenizer.Tokenizer` + `engine.detokenizer.IncrementalDetokenizer`.
-Tests bring a fake through ``RouterConfig.codec_factory``.
+Tests bring a fake as the `router.app.Router`'s ``codec_factory``.
 
 Invariants: a codec is read-only after construction and shared by every request of a replica;
 detokenizers are per request; EOS ids are the tokenizer's (``eos_token`` plus the generation
@@ -89,9 +89,7 @@ class EngineTextCodec:
 
 
 def load_codec(config: RouterConfig) -> TextCodec:
-    """The codec the config names: its factory, else the tokenizer of the prepared model folder."""
-    if config.codec_factory is not None:
-        return config.codec_factory(config)
+    """The tokenizer of the model folder the config names (prepared once, then cached)."""
     from engine.bundled import prepare_model
 
     cache = Path(config.model_cache_dir) if config.model_cache_dir else None

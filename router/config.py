@@ -1,18 +1,13 @@
 """Configuration of the HTTP router replicas (built by `cluster.config.ClusterConfig`).
 
 Invariants: frozen and picklable (it travels to every router replica); API keys never appear in
-its repr; ``codec_factory`` is for tests and tools that bring their own tokenizer, and when None
-the router loads the tokenizer of ``model`` (prepared by `engine.bundled.prepare_model`).
+its repr; the router loads the tokenizer of ``model`` (prepared by `engine.bundled.prepare_model`)
+unless the `router.app.Router` is given a codec factory of its own (tests, tools).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from router.codec import TextCodec
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -32,7 +27,6 @@ class RouterConfig:
     token_timeout_s: float = 60.0  # longest wait for the next decode event; then an error event
     ready_timeout_s: float = 5.0  # each pool's ready() call behind /ready
     max_inflight_requests: int | None = None  # generations in flight on this replica; past it 429 (None: no bound)
-    codec_factory: Callable[[RouterConfig], TextCodec] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):

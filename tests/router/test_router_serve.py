@@ -59,15 +59,15 @@ def base() -> Iterator[str]:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         fake_cfg = FakeConfig(marker_dir=str(MARKER_DIR))
         common = {"served_model_name": MODEL, "model": "unused", "max_model_len": MAX_LEN,
-                  "codec_factory": fake_codec, "token_timeout_s": 10.0}
+                  "token_timeout_s": 10.0}
         pd = Router.options(name="router").bind(
             _pool(FakePrefill, "prefill", 2, "prefix_affinity").bind(fake_cfg),
             _pool(FakeDecode, "decode", 1, "least_outstanding_tokens").bind(fake_cfg),
-            RouterConfig(api_keys=KEYS, **common))
+            RouterConfig(api_keys=KEYS, **common), fake_codec)
         serve.run(pd, name="pd", route_prefix="/pd")
         colo = Router.options(name="router").bind(
             None, _pool(FakeDecode, "decode", 1, "prefix_affinity").bind(fake_cfg),
-            RouterConfig(mode="colocated", **common))
+            RouterConfig(mode="colocated", **common), fake_codec)
         serve.run(colo, name="colo", route_prefix="/colo")
         yield f"http://127.0.0.1:{port}"
     finally:
