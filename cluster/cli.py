@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from cluster.config import ClusterConfig, ConfigError, Environment, application_entry
-from router.config import DEFAULT_MODEL
+from engine.bundled import DEFAULT_MODEL
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -26,10 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cluster.placement import AutoscalingSection, DrainSection, PlacementSection, Scaled
 from decode_worker.config import DecodeWorkerConfig
+from engine.bundled import DEFAULT_MODEL
 from engine.config import AUTO_DTYPE, EngineConfig, parse_dtype
 from kv_transfer.config import KVTransferConfig
 from prefill_worker.config import PrefillWorkerConfig
-from router.config import DEFAULT_MODEL, RouterConfig
+from router.config import RouterConfig
 from router.policy import POLICIES, AffinityParams
 
 IMPORT_PATH = "cluster.app:build_app"

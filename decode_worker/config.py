@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.bundled import DEFAULT_MODEL
 from engine.config import EngineConfig
 from kv_transfer.config import KVTransferConfig
 
 
 @dataclass(frozen=True)
 class DecodeWorkerConfig:
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)
     mode: str = "disaggregated"  # "disaggregated" | "colocated"

@@ -11,7 +11,7 @@ architectures are refused by name, never guessed.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -211,7 +211,6 @@ class EngineConfig:
     fast_kernels: bool = True  # False: the plain reference forward (F.linear, slot gathers), for tests
     linear_kernels: str = "auto"  # "auto" (timed at load), "packed"/"plain" (oneDNN) or "native" (C++ kernel)
     decode_attention: str = "auto"  # "auto" (timed at load), "compiled" (torch.compile) or an eager method
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype == AUTO_DTYPE:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.bundled import DEFAULT_MODEL
 from engine.config import EngineConfig
 from kv_transfer.config import KVTransferConfig
 
 
 @dataclass(frozen=True)
 class PrefillWorkerConfig:
-    model: str = "smollm2-135m-instruct"  # bundled name, a .gguf file or a Hugging Face folder
+    model: str = DEFAULT_MODEL  # bundled name, a .gguf file or a Hugging Face folder
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)
     max_batch_tokens: int = 2048  # token budget of one prefill forward

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from engine.bundled import DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
