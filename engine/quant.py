@@ -4,18 +4,13 @@ Owns: how one linear layer's weight ``W: [out, in]`` is stored for the fastest k
 device, ``y = x @ W.T (+ bias) (+ residual)`` computed from that storage, and symmetric
 per-output-channel int8 quantization (``quantize_int8`` / ``dequantize_int8``).
 
-Why these formats (one row of ``x``, weights streamed from DRAM, torch 2.13; the hosts are
-shared, so these are best-of-several). Which kernel is fastest depends on the CPU:
-- on a 2-core AVX-512 EPYC, ``F.linear`` reaches ~11 GB/s in fp32 (in bf16 oneDNN re-packs the
-  weight into its VNNI layout on every call), and oneDNN with the weight prepacked once
-  (``mkldnn._reorder_linear_weight``) ~16-22 GB/s in both dtypes, as fast or faster at 32 and 512 rows;
-- on a 2-core Xeon, BLAS (``addmm``) reads an fp32 weight at ~27 GB/s for one row, packed oneDNN
-  at ~20; from 8 rows up oneDNN on the plain layout is as fast as on the packed one.
-So `PackedLinear` has two formats, and `engine.kernel_choice` times both on the machine at load.
-- ``aten._weight_int8pack_mm`` (int8 weight, bf16 activations) reads half the bytes of bf16 but
-  runs at ~12 GB/s over SmolLM2's shapes (20-30 GB/s only on large matrices; it is not bandwidth
-  bound there), so the int8 matmuls of a step take ~0.7x of the bf16 ones, not 0.5x. Above
-  `Int8Linear.int8_mm_max_rows` rows it dequantizes and runs a dense bf16 matmul instead (prefill).
+Why several formats: which kernel reads a weight fastest depends on the CPU and the row count
+(BLAS's matrix-vector product, oneDNN on the plain layout, oneDNN on its prepacked layout, which
+in bf16 saves re-packing the weight on every call), so `PackedLinear` offers two layouts and
+`engine.kernel_choice` times them on the machine at load. ``aten._weight_int8pack_mm`` (int8
+weight, bf16 activations) reads half the bytes of bf16 but is not bandwidth bound on small
+matrices; above `Int8Linear.int8_mm_max_rows` rows (prefill) it dequantizes and runs a dense bf16
+matmul instead. Measured figures are in results/engine.json and the commits that chose these.
 
 Invariants: every kernel computes ``F.linear(x, W, bias) (+ residual)`` up to float
 reassociation (dense) or up to the int8 rounding of ``W`` (``|W - dequantize(q, s)| <= s / 2``
@@ -85,10 +80,8 @@ class PackedLinear(Linear):
       then an opaque oneDNN tensor) and every row count runs through oneDNN.
     - ``"plain"``: the weight stays a plain ``[out, in]`` tensor; one row (a batch-1 decode step)
       runs as a BLAS matrix-vector product (``addmm``), more rows through oneDNN on the plain layout.
-      On a 2-core Xeon (torch 2.13) BLAS reads an fp32 weight at ~27 GB/s for one row where oneDNN
-      gets ~20, while oneDNN on the plain layout matches the packed one at 8-512 rows; on an AVX-512
-      EPYC packed oneDNN was the faster one-row kernel. Which format a model gets is measured on the
-      machine at load (`engine.kernel_choice`).
+      Which is faster depends on the CPU, so which format a model gets is measured on the machine at
+      load (`engine.kernel_choice`).
 
     Only for CPU fp32/bf16 weights where `onednn_packing_available` holds (use `make_linear`).
     """
@@ -112,12 +105,11 @@ class PackedLinear(Linear):
         return self._plain_nbytes
 
     # oneDNN builds (and caches, up to 1024 entries) one primitive per input row count, ~0.5 MB
-    # each: prefill's ever-new row counts made a replica's memory creep for as long as it served.
-    # So up to `exact_rows` rows (decode batches) run as they are; more rows run in tiles of
+    # each: prefill's ever-new row counts would make a replica's memory creep for as long as it
+    # serves. So up to `exact_rows` rows (decode batches) run as they are; more rows run in tiles of
     # `row_tile`, the last one padded up to a multiple of `row_quantum`. Row counts seen by oneDNN:
-    # 1..64, 128, 192, ..., 512 -- a fixed set of 72, reached in the first minutes. Cost: a
-    # 2048-token fp32 prefill took 3.231 s tiled vs 3.229 s whole (`bench_engine`, medians of 3,
-    # back-to-back runs, 2-core Xeon); a 300-token one pays for its 20 padded rows.
+    # 1..64, 128, 192, ..., 512 -- a fixed set of 72, reached in the first minutes; the price is the
+    # padded rows and one copy joining the tiles' outputs.
     exact_rows = 64
     row_tile = 512
     row_quantum = 64
