@@ -6,16 +6,15 @@ rows (decode batches) through the C++ kernel and more rows (prefill) through the
 over the same plain weight (fp32, bf16, or the int8 weight + scales of an `Int8Linear`).
 
 Why: a decode step at small batches is the weight read, and the eager ops around each matrix-vector
-product cost a dispatcher call each. On a 2-core AVX2 EPYC (torch 2.13) the kernel read a 16384 x
-8192 weight at 33 GB/s fp32 / 32 GB/s bf16 / 24 GB/s int8 where ``F.linear`` got 19-22 GB/s (fp32,
-bf16), and oneDNN cannot prepack bf16 there at all. It also fuses what sits next to the product:
-the RMSNorm before qkv, gate_up and the lm_head (`normed`: the gain is already folded into the
-weight), silu(gate) * up before down (`glu`), the residual add after o_proj and down, the bias and
-the int8 scale; all of it in fp32, rounded once to the activation dtype. With int8 weights on AVX2 the
-products are exact integer sums (vpmaddwd) over the prologue's output rounded to int16 per row: half
-the instructions of widening every weight to fp32, which bound that kernel below the read. At a
-batch of 32 (gate_up, 3072 x 576) the kernel's tiles beat the wrapped kernel in the same run: fp32
-0.83 x ``F.linear``'s time, bf16 0.57 x `UpcastLinear`'s (which widens the whole weight per call).
+product cost a dispatcher call each; torch's kernels do not reach the memory bandwidth there on every
+CPU, and oneDNN cannot prepack bf16 on CPUs without bf16 arithmetic. The kernel also fuses what sits
+next to the product: the RMSNorm before qkv, gate_up and the lm_head (`normed`: the gain is already
+folded into the weight), silu(gate) * up before down (`glu`), the residual add after o_proj and
+down, the bias and the int8 scale; all of it in fp32, rounded once to the activation dtype. With
+int8 weights on AVX2 the products are exact integer sums (vpmaddwd) over the prologue's output
+rounded to int16 per row: half the instructions of widening every weight to fp32. Beyond 4 rows the
+kernel works in tiles of rows that read each weight row once for the whole tile. Measured figures:
+results/engine.json and the commits that introduced each path.
 
 Invariants: computes what the wrapped kernel computes (``F.linear`` of its weight, the int8 one
 dequantized with the same scales) up to fp32 reassociation, the int16 rounding of x for int8

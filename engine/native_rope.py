@@ -5,9 +5,8 @@ and `RopeStore`, which checks a forward's positions and slots once and then, for
 rotates the q and k heads of the qkv product in place and copies k and v to their cache slots.
 
 Why: on the eager fast path the same work is a roll, a multiply, an addcmul, views and two
-``index_copy_`` calls per layer: about 60 us of dispatch per layer at batch 1 on a 2-core EPYC,
-~2 ms of a 26 ms SmolLM2 decode step. The kernel's own work there is under 2 us. A prefill chunk's
-rows (64 and more) are split over the threads: 512 fp32 rows of SmolLM2, 295 -> 115 us a layer.
+``index_copy_`` calls per layer, whose dispatch costs far more than the arithmetic at decode
+batch sizes. A prefill chunk's rows (64 and more) are split over the threads.
 
 Invariants: the result equals the eager path's (``x * cos + roll(x, D/2) * sin_signed``, then
 ``write_kv``) up to fp32 rounding: the math is fp32 from fp32 tables, rounded once to bf16 (the

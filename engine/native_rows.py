@@ -6,9 +6,8 @@ which `engine.quant.Linear.normed` / `.glu` run before every kernel that is not 
 one (prefill chunks; decode batches beyond `engine.native_linear.NativeLinear.max_rows`).
 
 Why: in bf16, ``F.rms_norm`` on a CPU is ten dispatched ops (upcast, pow, mean, add, rsqrt, mul,
-downcast...) and silu then mul two more, each with its own pass and rounding: at a batch of 32 on a
-2-core AVX-512 Xeon, ~80 us per RMSNorm and ~40 us per GLU, ~6 ms of a 72 ms bf16 SmolLM2 step
-(32 x 1,024); the kernel does each in one pass of a few microseconds there.
+downcast...) and silu then mul two more, each with its own pass over the rows and its own
+rounding; the kernel does each in one pass, in fp32, rounded once.
 
 Invariants: equals torch's ``F.rms_norm(x, (K,), None, eps)`` and ``F.silu(gate) * up`` up to fp32
 rounding (one rounding to the activation dtype; torch's bf16 GLU rounds twice); inputs the kernel

@@ -5,9 +5,9 @@ headers as the per-layer kernels), `native_step_error`, and `NativeDecodeStep`, 
 model's weights as C structs once, the caches' pointers once per cache, and per step checks the
 batch and makes one call.
 
-Why: with every linear, the RoPE + store and the attention already native, what was left of a
-batch-1 SmolLM2 step outside the kernels was Python and dispatch between them: ~150 us a layer,
-8-10 ms of a ~30 ms fp32 step on a 2-core EPYC (the weight read itself is ~19 ms there).
+Why: with every linear, the RoPE + store and the attention already native, what is left of a
+small-batch step outside the kernels is Python and dispatch between them (a few hundred calls a
+step), and one call also holds the GIL once a step instead of at every op boundary.
 
 Invariants: the step runs the per-layer native path's kernels in its order on the same values, so
 logits and cache writes equal that path's bit for bit (`test_native_step` checks it with fp32,
