@@ -145,9 +145,7 @@ SMALL_DECODE_ROWS = 512
 #: The formulations of batched (B > 1) fp32 decode attention over the gathered blocks, plus
 #: ``"compiled"`` (`engine.compiled_attention`: no gather, from 2 sequences up, any dtype) and
 #: ``"native"`` (`engine.native_attention`: a C++ kernel, no gather, fp32 and bf16); which is
-#: fastest differs between CPUs (`engine.attention_choice` times them at load): at 32 x 1,040
-#: positions a layer's attention alone took per_head 2.9 ms vs sdpa 5.5 on a 2-core Xeon, but sdpa
-#: 6.8, block_diagonal 8.1, per_head 11.6 on a 2-core EPYC.
+#: fastest differs between CPUs, even in its order (`engine.attention_choice` times them at load).
 GATHERED_METHODS = ("sdpa", "per_head", "block_diagonal")
 DECODE_METHODS = (*GATHERED_METHODS, "compiled", "native")
 
@@ -188,16 +186,15 @@ def paged_decode_attention(
     ``Qblk @ K[B, L, KV * D]^T`` gives every head's scores against its own KV head with contiguous
     operands and no per-head loop, and ``P @ V[B, L, KV * D]`` gives ``[B, H, KV * D]`` of which
     each head keeps its own KV head's slice. That is KV times the minimal FLOPs, cheap next to
-    reading K and V: on CPU it beats SDPA (slow for one query, in bf16 most) and per-head loops
-    over strided views in bf16 (15.6 vs 7.9 ms a layer at 32 x 1,040 on a 2-core Xeon). In fp32
+    reading K and V: on CPU it beats SDPA (slow for one query, in bf16 most) and, in bf16, per-head
+    loops over strided views. In fp32
     the fastest of `GATHERED_METHODS` depends on the CPU: ``method`` picks one (`batched_decode_attention`);
     batch 1 needs no choice (`_single_decode_attention`); small bf16 steps
     (``B * L <= SMALL_DECODE_ROWS``) take the fp32 paths after a cast. ``method="compiled"`` skips all
     of this from 2 sequences up: `engine.compiled_attention` reads the blocks in place, in any dtype
-    (at batch 1 its fixed cost, ~0.1 ms a layer, was more than the one-sequence gather it saves);
+    (at batch 1 its fixed cost is more than the one-sequence gather it saves);
     ``method="native"`` does the same at every batch size with `engine.native_attention`'s C++
-    kernel (2.7 vs 11.8 ms a layer compiled at 32 x 1,040 fp32 on a 2-core AVX2 EPYC; at batch 1,
-    ctx 256, 0.09 vs 0.19 ms for the gather + bmm path).
+    kernel, faster than both where it builds.
     """
     b, _, d = q.shape
     _, bs, kvh, _ = k_cache.shape
@@ -278,8 +275,8 @@ def _single_decode_attention(
 
     GQA without padding FLOPs: the KV heads are the bmm batch, each with its G query heads as rows,
     and K is read in place as the strided ``[KV, D, L]`` view (a transposed matrix to BLAS). In
-    fp32 (bf16 is computed in fp32 here, like the other small steps) this took ~0.7x SDPA's time
-    on a 2-core Xeon at 272 and 1,040 positions.
+    fp32 (bf16 is computed in fp32 here, like the other small steps); faster than SDPA for one
+    query, which pays for a mask and general strides.
     """
     _, h, d = q.shape
     kvh = kb.shape[2]
@@ -298,8 +295,6 @@ def _per_head_decode_attention(
 
     One baddbmm + softmax + bmm per KV head: ``k[:, :, kv]`` is a ``[B, L, D]`` view with row
     stride ``KV * D``, which batched BLAS reads in place, and the head's G query heads are the rows.
-    On a 2-core Xeon at 32 x 1,040 positions: 2.9 ms a layer vs 5.5 ms for SDPA with an additive
-    mask over the same buffer (and 0.18 vs 0.20 ms at 8 x 272).
     """
     b, h, d = q.shape
     kvh, length = k.shape[2], k.shape[1]

@@ -4,10 +4,8 @@ Owns: the choice among `attention.DECODE_METHODS` for the fast path's decode ste
 timings behind it. The gathered methods (sdpa / per_head / block_diagonal) differ in how batched
 fp32 steps (and small bf16 steps, which run in fp32) multiply the gathered blocks; ``"compiled"``
 (`engine.compiled_attention`) and ``"native"`` (`engine.native_attention`) read the blocks in
-place. Why measure: the fastest
-differs between CPUs of the same kind of machine. At 32 sequences x 1,040 positions (SmolLM2's 9
-heads over 3 KV heads) a layer's attention took, on a 2-core Xeon, per_head 2.9 ms vs sdpa 5.5; on
-a 2-core AVX-512 EPYC, sdpa 6.8, block_diagonal 8.1, per_head 11.6 (torch 2.13), gathers excluded.
+place. Why measure: the fastest, and the order of the others, differs between CPUs of the same
+kind of machine (results/engine.json records what each host picked).
 
 How: `paged_decode_attention` itself (gather included) runs with every method on synthetic paged
 caches of the model's head geometry and dtype, one per "layer", enough layers that they stream from
