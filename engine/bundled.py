@@ -14,14 +14,12 @@ Invariants:
 
 from __future__ import annotations
 
-import fcntl
 import importlib.metadata
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from engine.errors import ModelLoadError
+from engine.file_lock import file_lock
 from engine.gguf_loader import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf, file_fingerprint
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -69,22 +67,11 @@ def _is_complete(folder: Path, gguf_path: Path) -> bool:
     )
 
 
-@contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _converted(gguf_path: Path, folder: Path, progress: bool) -> Path:
     """``folder`` holding the conversion of ``gguf_path``: reused if complete, (re)built otherwise."""
     if _is_complete(folder, gguf_path):
         return folder
-    with _locked(folder.parent / f".{folder.name}.lock"):
+    with file_lock(folder.parent / f".{folder.name}.lock"):
         if not _is_complete(folder, gguf_path):  # another process may have finished it meanwhile
             convert_gguf_to_hf(gguf_path, folder, progress=progress)
     return folder

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.block_pool import BlockPool
+from engine.bundled import default_cache_dir
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ContextLengthError
+from engine.file_lock import file_lock
 from engine.kv_cache import KVCache
 from engine.model import build_model
 from engine.model_thread import ModelThread
@@ -28,6 +31,17 @@ from engine.runner import ModelRunner
 from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
+
+#: held while an engine on this machine builds its model (times kernels, compiles attention)
+TIMING_LOCK = default_cache_dir().parent / "kernel-timing.lock"
+
+
+def timing_lock(config: EngineConfig) -> AbstractContextManager[None]:
+    """Engines on one CPU machine build one at a time: replicas starting together would otherwise
+    time their kernel choices against each other's load and pick by chance (on GPUs: no lock)."""
+    if config.torch_device.type != "cpu" or not config.fast_kernels:
+        return nullcontext()
+    return file_lock(TIMING_LOCK)
 
 
 @dataclass
@@ -72,17 +86,18 @@ class Engine:
         mcfg = ModelConfig.from_dir(model_dir)
         max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         weights = load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device)
-        model = build_model(mcfg, weights, max_len, config)
+        with timing_lock(config):  # kernel timings and compiles, not disturbed by another engine's
+            model = build_model(mcfg, weights, max_len, config)
+            cache = KVCache.allocate(
+                mcfg, config.num_blocks, config.block_size, config.torch_dtype, config.device
+            )
+            model.warm_up_decode_attention(cache)
         if model.kernel_choices:
             summary = "; ".join(c.summary() for c in model.kernel_choices)
             log.info("linear kernels (%s): %s; %.0f MB of plain weights kept beside packed ones",
                      config.linear_kernels, summary, model.extra_weight_nbytes() / 1e6)
         if model.attention_choice is not None:
             log.info("decode attention (%s): %s", config.decode_attention, model.attention_choice.summary())
-        cache = KVCache.allocate(
-            mcfg, config.num_blocks, config.block_size, config.torch_dtype, config.device
-        )
-        model.warm_up_decode_attention(cache)
         pool = BlockPool(config.num_blocks, config.block_size, enable_prefix_cache=config.enable_prefix_cache)
         return cls(
             model_config=mcfg,
