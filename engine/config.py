@@ -194,8 +194,9 @@ class ModelConfig:
 class EngineConfig:
     """How one process runs a model: device, dtype, paged-KV geometry and batch limits.
 
-    ``dtype="auto"`` is resolved here, on the machine that runs the engine (`fast_dtype`): after
-    construction ``dtype`` is always a concrete name.
+    ``dtype="auto"`` is resolved at construction (`fast_dtype`), so ``dtype`` is always a concrete
+    name after it. A cluster builds its replicas' configs where the app is built: every replica of
+    an app gets the same dtype, and so the same KV layout, whatever node it lands on.
     """
 
     device: str = "cpu"
