@@ -31,7 +31,7 @@ from engine.config import AUTO_DTYPE, EngineConfig, parse_dtype
 from kv_transfer.config import KVTransferConfig
 from prefill_worker.config import PrefillWorkerConfig
 from router.config import RouterConfig
-from router.policy import POLICIES, AffinityParams
+from router.policy import AffinityParams, known_policy
 
 IMPORT_PATH = "cluster.app:build_app"
 
@@ -54,13 +54,6 @@ class Environment:
         keys = tuple(k.strip() for k in env.get("PDSERVE_API_KEYS", "").split(",") if k.strip())
         return cls(api_keys=keys, kv_secret=env.get("PDSERVE_KV_SECRET") or None,
                    model_cache=env.get("PDSERVE_MODEL_CACHE") or None)
-
-
-def known_policy(name: str) -> str:
-    """``name`` if it is a registered routing policy (`router.policy.POLICIES`), else a ValueError naming them."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown routing policy {name!r}; expected one of {sorted(POLICIES)}")
-    return name
 
 
 class _Section(BaseModel):
@@ -316,8 +309,6 @@ class ClusterConfig(_Section):
         if not self.disaggregated:
             data.pop("prefill")
         return data
-
-
 
 
 def format_errors(e: ValidationError, source: str) -> str:

@@ -134,17 +134,21 @@ def _prefix_affinity(prompt: Sequence[int] | None, reports: Sequence[LoadReport]
     return prefix_affinity(prompt, reports, params)
 
 
+def known_policy(name: str) -> str:
+    """``name`` if it is a registered policy, else a `ValueError` naming the registered ones."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; expected one of {sorted(POLICIES)}")
+    return name
+
+
 def choose(
     policy: str,
     prompt_token_ids: Sequence[int] | None,
     reports: Sequence[LoadReport],
     params: AffinityParams | None = None,
 ) -> str:
-    """Dispatch by policy name (`POLICIES`); unknown names raise `ValueError` naming the known ones."""
-    fn = POLICIES.get(policy)
-    if fn is None:
-        raise ValueError(f"unknown routing policy {policy!r}; expected one of {sorted(POLICIES)}")
-    return fn(prompt_token_ids, reports, params or AffinityParams())
+    """Dispatch by policy name (`POLICIES`, checked by `known_policy`)."""
+    return POLICIES[known_policy(policy)](prompt_token_ids, reports, params or AffinityParams())
 
 
 def rank_replicas(first: str, reports: Sequence[LoadReport]) -> list[list[str]]:
