@@ -277,18 +277,26 @@ async def warm_up(client: httpx.AsyncClient, users: int, long_prompt_tokens: int
         raise RuntimeError(f"warm-up failed: {bad[0]}")
 
 
-def load_gauges(base_url: str) -> float:
-    """Requests running + waiting on every replica, from ``/metrics`` (0 when idle)."""
+def metric_totals(base_url: str, names: Sequence[str]) -> dict[str, float] | None:
+    """Each of ``names`` (sample names at ``/metrics``) summed over its label sets; names with no
+    sample are left out; None if ``/metrics`` does not answer."""
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=10).text
     except httpx.HTTPError:
-        return 0.0
-    total = 0.0
+        return None
+    wanted = set(names)
+    totals: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(r"^pdserve:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.eE+-]+)$", line)
-        if m:
-            total += float(m.group(1))
-    return total
+        m = re.match(r"^([\w:]+)(?:\{[^}]*\})? (\S+)$", line)
+        if m and m.group(1) in wanted:
+            totals[m.group(1)] = totals.get(m.group(1), 0.0) + float(m.group(2))
+    return totals
+
+
+def load_gauges(base_url: str) -> float:
+    """Requests running + waiting on every replica, from ``/metrics`` (0 when idle)."""
+    totals = metric_totals(base_url, ["pdserve:num_requests_running", "pdserve:num_requests_waiting"])
+    return sum(totals.values()) if totals else 0.0
 
 
 async def wait_idle(base_url: str, timeout_s: float = 30.0) -> bool:

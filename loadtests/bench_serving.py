@@ -22,15 +22,12 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from loadtests.bench_common import (
     MODEL,
@@ -39,6 +36,7 @@ from loadtests.bench_common import (
     ServerProcess,
     log,
     machine,
+    metric_totals,
     result_doc,
     write_result,
     yaml_config,
@@ -101,24 +99,18 @@ def _with_blocks(ec: Any, n: int) -> Any:
 
 # -- one server ------------------------------------------------------------------------------------
 
-_COUNTER = re.compile(r"^pdserve:engine_(steps|step_seconds|step_sequences|step_cpu_seconds)_total\{[^}]*\} (\S+)$")
+_COUNTERS = tuple(f"pdserve:engine_{n}_total" for n in ("steps", "step_seconds", "step_sequences",
+                                                         "step_cpu_seconds"))
 
 
 def engine_counters(base_url: str) -> tuple[float, float, float, float] | None:
     """Decode-side engine steps, seconds in their forwards, sequences decoded and the model thread's
     CPU seconds, summed over the replicas in ``/metrics`` (pdserve only; None for other servers)."""
-    try:
-        text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    except httpx.HTTPError:
+    totals = metric_totals(base_url, _COUNTERS)
+    if not totals:
         return None
-    sums = {"steps": 0.0, "step_seconds": 0.0, "step_sequences": 0.0, "step_cpu_seconds": 0.0}
-    found = False
-    for line in text.splitlines():
-        m = _COUNTER.match(line)
-        if m:
-            sums[m.group(1)] += float(m.group(2))
-            found = True
-    return (sums["steps"], sums["step_seconds"], sums["step_sequences"], sums["step_cpu_seconds"]) if found else None
+    steps, seconds, seqs, cpu = (totals.get(n, 0.0) for n in _COUNTERS)
+    return steps, seconds, seqs, cpu
 
 
 async def _run_levels(base_url: str, levels: Sequence[Level], vocab: int) -> list[dict[str, Any]]:
