@@ -68,7 +68,7 @@ class NativeLinear(Linear):
     """Up to ``max_rows`` rows through the C++ kernel, more through ``base`` (same weight, same results
     up to reassociation). Build with `native_applies` true and `native_linear_error` None."""
 
-    MAX_ROWS = 64  # timed faster than the wrapped kernel up to 64 rows on an AVX2 EPYC
+    MAX_ROWS = 64  # most rows the C++ kernel's tiles take; `engine.kernel_choice` prices where it stops paying
 
     def __init__(self, base: Linear, max_rows: int = MAX_ROWS, plain: torch.Tensor | None = None) -> None:
         """``plain``: the ``[out, in]`` weight itself where ``base`` holds it in oneDNN's packed layout;
