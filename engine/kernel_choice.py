@@ -8,9 +8,9 @@ counts: dense fp32/bf16 where oneDNN can prepack the dtype, `PackedLinear`'s ``"
 (``F.linear``) and ``"upcast"`` (`UpcastLinear`: many rows in fp32); int8, ``"int8"``
 (`Int8Linear`); and in each case ``"native"`` (`engine.native_linear`, the C++ matrix-vector
 kernel for few rows around the plain, upcast or int8 kernel) where it builds. Why measure: the
-fastest few-row kernel differs between CPUs (BLAS gemv on plain weights on one Xeon, prepacked
-oneDNN on one EPYC, the C++ kernel on an AVX2 EPYC; see `engine.quant` and
-`engine.native_linear`), and decode at small batches is where a step's time is the weight read.
+fastest few-row kernel differs between CPUs (BLAS gemv on plain weights, oneDNN's prepacked
+weights with or without AMX, or the C++ kernel, depending on the vector units), and decode at small
+batches is where a step's time is the weight read.
 
 How: every weight of the class is run once per pass (so the pass streams the class's bytes from
 memory as a decode step does, rather than re-reading one hot matrix from cache), passes of the
@@ -21,9 +21,11 @@ and below ``1 - margin``, so ties keep the default. "native" also competes with 
 timings), which is what wins where oneDNN has AMX: one-row decode steps natively (and then as one
 native call, `engine.native_step`), batches through oneDNN. Over oneDNN's packed kernel that keeps
 the plain weight too (the class's memory twice), so it must beat the best choice without a copy by
-the margin as well. Where the choice is a plain, upcast or int8 kernel, the C++ kernel also takes
-the fewest rows wherever it beats that kernel there by the margin (`native_prefix`): faster where
-they differ, the same beyond.
+the margin as well. Whatever the choice, the C++ kernel then also takes the fewest rows up to where
+it costs at most `STEP_TOLERANCE` more than the chosen kernel (`native_prefix`; over oneDNN's packed
+kernel only for classes up to `STEP_COPY_MAX_BYTES`, as it needs the plain copy): when every class
+does, a small decode batch runs as one C++ call that holds the GIL once, which inside a serving
+replica is worth more than the per-class timing shows.
 
 Invariants: every format computes the same ``F.linear`` (int8: of the same dequantized weight)
 up to float reassociation, so the choice never changes what the model computes beyond that; a
@@ -49,6 +51,14 @@ from engine.quant import Linear, PackedLinear, UpcastLinear, make_linear, onednn
 LINEAR_KERNELS = ("auto", "packed", "plain", "native")
 TIMED_ROWS = (1, 4, 8, 32)
 WRAPPED = ("upcast", "plain", "int8")  # what "native" wraps (runs its rows beyond max_rows), first that applies
+# How much slower than a class's pick its C++ kernel may be at a row count and still take it: a
+# batch every class takes natively runs as one call, which a per-class timing cannot see (the
+# per-layer path hands the GIL back and forth at each of its few hundred ops, a long wait each
+# inside a replica whose event loop wants it too).
+STEP_TOLERANCE = 0.5
+# Where that needs the plain weight beside oneDNN's packed one, only for classes up to this size:
+# the saving is a fixed cost per step, which matters for small models' short steps.
+STEP_COPY_MAX_BYTES = 512 << 20
 
 @dataclass(frozen=True)
 class KernelChoice:
@@ -159,16 +169,16 @@ def with_native_limits(ms: Mapping[str, Mapping[int, float]]) -> dict[str, dict[
     return out
 
 
-def native_prefix(ms: Mapping[str, Mapping[int, float]], fmt: str, margin: float) -> int:
-    """The most timed rows r such that the C++ kernel beats ``fmt`` by the margin at every timed row
-    count up to r (0: not at the fewest). Running it there and ``fmt`` beyond is faster where they
-    differ and the same elsewhere, however little that moves `pick`'s mean over all row counts, and
-    it lets a one-row step run as one native call (`engine.native_step`)."""
+def native_prefix(ms: Mapping[str, Mapping[int, float]], fmt: str, tolerance: float) -> int:
+    """The most timed rows r such that the C++ kernel costs at most ``1 + tolerance`` times ``fmt``'s
+    time at every timed row count up to r (0: not even at the fewest). Those rows then run natively,
+    ``fmt`` beyond; `STEP_TOLERANCE` lets the C++ kernel be somewhat slower than ``fmt`` on its own,
+    because a batch that every class takes natively runs as one call (`engine.native_step`)."""
     if "native" not in ms or fmt not in ms:
         return 0
     limit = 0
     for n in sorted(ms["native"]):
-        if ms["native"][n] >= ms[fmt][n] * (1.0 - margin):
+        if ms["native"][n] > ms[fmt][n] * (1.0 + tolerance):
             break
         limit = n
     return limit
@@ -228,8 +238,8 @@ def build_linears(
     if fmt.startswith("native<="):
         over = "packed" if fmt.endswith("+packed") else wrapped_format(built)
         limit = int(fmt.removeprefix("native<=").removesuffix("+packed"))
-    elif fmt != "packed":
-        limit = native_prefix(ms, fmt, margin)
+    if over != "packed" or sum(w.numel() * w.element_size() for w in weights) <= STEP_COPY_MAX_BYTES:
+        limit = max(limit, native_prefix(ms, over, STEP_TOLERANCE))
     if not limit:
         return built[fmt], KernelChoice(name, out_f, in_f, len(weights), fmt, ms)
     kernels = [NativeLinear(k, max_rows=limit, plain=w.contiguous() if over == "packed" else None)
