@@ -52,6 +52,7 @@ def prefill_attention(
     scale: float,
     context_blocks: torch.Tensor | None = None,
     native: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's chunk.
 
@@ -59,19 +60,25 @@ def prefill_attention(
     precede the chunk; the context (only read when ``start_pos > 0``) is given either as
     ``context_slots``: [start_pos + S] slots, or as ``context_blocks``: [ceil((start_pos + S) / bs)]
     block ids (cheaper: whole blocks are copied). ``native``: fp32 chunks the C++ kernel takes run
-    there (`engine.native_prefill`), the rest through SDPA. Returns [S, H, D].
+    there (`engine.native_prefill`), the rest through SDPA. ``window``: each query sees only the last
+    ``window`` positions, its own included (a sliding-window layer; the C++ kernel does not take it).
+    Returns [S, H, D].
     """
     s = q.shape[0]
+    windowed = window is not None and start_pos + s > window  # else the window hides nothing
+    native = native and not windowed
     if native and start_pos == 0 and native_prefill_applies(q, k_new, v_new):
         return native_prefill_attention(q, k_new, v_new, 0, scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, S, D]
-    if start_pos == 0:
+    if start_pos == 0 and not windowed:
         k = k_new.transpose(0, 1).unsqueeze(0)  # [1, KV, S, D]
         v = v_new.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         total = start_pos + s
-        if context_blocks is not None:  # copy whole blocks (contiguous rows), keep the first L rows
+        if start_pos == 0:
+            kc, vc = k_new, v_new
+        elif context_blocks is not None:  # copy whole blocks (contiguous rows), keep the first L rows
             kc = k_cache.index_select(0, context_blocks).flatten(0, 1)[:total]  # [L, KV, D]
             vc = v_cache.index_select(0, context_blocks).flatten(0, 1)[:total]
         else:
@@ -84,6 +91,9 @@ def prefill_attention(
         q_pos = torch.arange(start_pos, total, device=q.device).unsqueeze(1)  # [S, 1]
         k_pos = torch.arange(total, device=q.device).unsqueeze(0)  # [1, L]
         mask = k_pos <= q_pos  # [S, L]
+        if windowed:
+            assert window is not None
+            mask &= k_pos > q_pos - window
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)  # [S, H, D]
 

@@ -27,7 +27,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -78,9 +80,14 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of one Llama-family model."""
+    """The architecture of one Llama-family model.
 
-    family: str  # "llama" | "mistral" | "qwen2"
+    ``sliding_window``: the keys a query of a windowed layer sees, itself included (positions
+    ``p - window + 1 .. p``, transformers' definition), in the layers ``window_layers`` names; None
+    with no windowed layer. ``qk_norm``: an RMSNorm over each head of q and of k before RoPE (Qwen3).
+    """
+
+    family: str  # "llama" | "mistral" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -97,6 +104,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    window_layers: tuple[int, ...] = ()  # indices of the layers that attend over the window only
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -108,6 +117,14 @@ class ModelConfig:
                 f"model config: num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
+        if (self.sliding_window is None) != (not self.window_layers) or (
+                self.sliding_window is not None and self.sliding_window <= 0):
+            raise ValueError(f"model config: sliding_window={self.sliding_window} with windowed layers "
+                             f"{list(self.window_layers)}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends over (None: every earlier position)."""
+        return self.sliding_window if layer in self.window_layers else None
 
     @cached_property
     def q_size(self) -> int:
@@ -127,7 +144,7 @@ class ModelConfig:
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None:
             model_type = cfg.get("model_type")
-            if model_type in ("llama", "mistral", "qwen2"):
+            if model_type in ("llama", "mistral", "qwen2", "qwen3"):
                 family = model_type
             else:
                 raise ModelLoadError(
@@ -153,6 +170,8 @@ class ModelConfig:
                     )
                 elif rope_type not in (None, "default"):
                     raise ModelLoadError(f"{source}: unsupported rope_scaling type {rope_type!r}")
+            _refuse_unsupported(cfg, family, source)
+            window, window_layers = _windows(cfg, family, int(cfg["num_hidden_layers"]), source)
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return cls(
@@ -172,7 +191,9 @@ class ModelConfig:
                 rope_scaling=scaling,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
+                sliding_window=window,
+                window_layers=window_layers,
+                qk_norm=family == "qwen3",
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: config is missing required field {e.args[0]!r}") from None
@@ -189,6 +210,43 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{cfg_path}: not valid JSON: {e}") from None
         return cls.from_hf_dict(data, source=str(cfg_path))
+
+
+def _refuse_unsupported(cfg: dict[str, Any], family: str, source: str) -> None:
+    """Raises `ModelLoadError` naming a field whose value this engine would not run exactly."""
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ModelLoadError(f"{source}: hidden_act={act!r} is not supported (the MLP is SwiGLU with silu)")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{source}: mlp_bias=true is not supported (the MLP projections carry no bias)")
+    if cfg.get("attention_bias") and family != "qwen2":
+        raise ModelLoadError(f"{source}: attention_bias=true is not supported for {family} (o_proj bias)")
+
+
+def _windows(cfg: dict[str, Any], family: str, num_layers: int, source: str) -> tuple[int | None, tuple[int, ...]]:
+    """The sliding window and the layers that use it, as transformers reads them: ``layer_types``
+    where the config has it; else Mistral windows every layer, Qwen2/Qwen3 (with
+    ``use_sliding_window``) the layers from ``max_window_layers`` on."""
+    window = cfg.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        window = None
+    if family == "llama":
+        window = None  # transformers' Llama has no window, whatever the file says
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers or any(t not in _LAYER_TYPES for t in types):
+            raise ModelLoadError(f"{source}: layer_types must list one of {_LAYER_TYPES} per layer "
+                                 f"({num_layers}), got {types!r}")
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        if layers and window is None:
+            raise ModelLoadError(f"{source}: layer_types has sliding_attention layers but sliding_window is unset")
+    elif window is None:
+        layers = ()
+    elif family == "mistral":
+        layers = tuple(range(num_layers))
+    else:
+        layers = tuple(range(int(cfg.get("max_window_layers", num_layers)), num_layers))
+    return (int(window) if layers and window is not None else None), layers
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,8 @@ class LayerKernels:
     post_norm: torch.Tensor  # [hidden]
     gate_up: Linear  # [hidden] → [2 * intermediate]
     down: Linear  # [intermediate] → [hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm gain over each head of q before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None  # [head_dim]
 
 
 class LlamaModel:
@@ -130,6 +132,7 @@ class LlamaModel:
         self._sin_signed32 = torch.cat([-self.rope.sin[:, :half], self.rope.sin[:, half:]], -1)  # [P, D] fp32
         self._sin_signed = self._sin_signed32.to(self.dtype)
         self.scale = cfg.head_dim**-0.5
+        self.windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]  # None: full causal attention
         # RoPE + cache store in one native call per layer (`engine.native_rope`) where it builds.
         self.native_rope = (self.fast and self.device.type == "cpu" and cfg.head_dim <= MAX_HEAD_DIM
                             and native_rope_error() is None)
@@ -172,6 +175,8 @@ class LlamaModel:
                 post_norm=lw.post_norm,
                 gate_up=built["gate_up"][i],
                 down=built["down"][i],
+                q_norm=lw.q_norm,
+                k_norm=lw.k_norm,
             )
             for i, lw in enumerate(lws)
         ]
@@ -197,6 +202,8 @@ class LlamaModel:
         choice = self.attention_choice
         if not self.native_rope or choice is None:
             return "not the native fast path (reference path, not a CPU, or no native RoPE + store)"
+        if self.cfg.qk_norm or self.cfg.window_layers:
+            return "the model has q/k norms or sliding-window layers, which the native step does not run"
         if not choice.ms and "native" not in (choice.method, choice.small_method):
             return f"decode attention pinned to {choice.method!r}"
         if (err := native_error()) is not None:
@@ -238,6 +245,8 @@ class LlamaModel:
         cfg = self.cfg
         t, hd = h.shape[0], cfg.head_dim
         qkv = self._normed(lk.qkv, h, lk.input_norm)  # [T, q + 2kv]
+        if lk.q_norm is not None and lk.k_norm is not None:
+            qkv = self._qk_normed(qkv, lk.q_norm, lk.k_norm)
         if store is not None:
             qkv = qkv.contiguous()  # the native store rotates it in place
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, hd)
@@ -255,6 +264,14 @@ class LlamaModel:
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         write_kv(k_cache, v_cache, slots, k, v)
         return q, k, v
+
+    def _qk_normed(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
+        """qkv [T, q + 2kv] with q and k RMS-normed per head (transformers' order: before RoPE)."""
+        cfg = self.cfg
+        t, hd, eps = qkv.shape[0], cfg.head_dim, cfg.rms_norm_eps
+        q = rms_norm(qkv[:, : cfg.q_size].view(t, cfg.num_heads, hd), q_norm, eps)  # [T, H, D]
+        k = rms_norm(qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, hd), k_norm, eps)
+        return torch.cat([q.reshape(t, -1), k.reshape(t, -1), qkv[:, cfg.q_size + cfg.kv_size :]], -1)
 
     def _rope_store(self, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> RopeStore | None:
         """The forward's native RoPE + cache store (positions and slots checked once), if the model has one."""
@@ -303,7 +320,7 @@ class LlamaModel:
                 outs.append(
                     prefill_attention(
                         q[sl], k[sl], v[sl], cache.k[li], cache.v[li], start, slots, self.scale, blocks,
-                        native=self.fast,
+                        native=self.fast, window=self.windows[li],
                     )
                 )
                 offset += n
@@ -326,30 +343,36 @@ class LlamaModel:
         store = self._rope_store(batch.positions, batch.slots, cache)
         if self.native_step is not None and store is not None and b <= self.native_step.max_rows:
             return self.native_step(h, store, batch.block_table, cache.k, cache.v).float()  # same as the loop below
+        windowed = {w: [windowed_meta(m, w) for m in groups] for w in set(self.windows) if w is not None}
         for li, lk in enumerate(self.layers):
             q, _, _ = self._qkv(lk, h, batch.positions, rope, store, cache.k[li], cache.v[li], batch.slots)
-            attn = self._grouped_attention(q, cache.k[li], cache.v[li], groups)  # [B, H * D]
+            w = self.windows[li]
+            attn = self._grouped_attention(q, cache.k[li], cache.v[li], groups if w is None else windowed[w],
+                                           bias_only=w is not None)
             h = lk.o_proj(attn, residual=h)
             h = self._mlp(lk, h)
         return self._logits(h)
 
     def _grouped_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[PagedDecodeMeta]
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[PagedDecodeMeta],
+        bias_only: bool = False,
     ) -> torch.Tensor:
-        """q: [B, H, D] with the groups' rows consecutive → [B, H * D]."""
+        """q: [B, H, D] with the groups' rows consecutive → [B, H * D]. ``bias_only``: the groups' masks
+        are in their biases only (a windowed layer's), so no method that reads lengths instead."""
         if len(groups) == 1:
             return paged_decode_attention(q, k_cache, v_cache, groups[0], self.ws, self.scale,
-                                          self._decode_method(groups[0], k_cache.shape[1]))
+                                          self._decode_method(groups[0], k_cache.shape[1], bias_only))
         outs, start = [], 0
         for meta in groups:
             outs.append(paged_decode_attention(q[start : start + meta.batch], k_cache, v_cache, meta, self.ws,
-                                               self.scale, self._decode_method(meta, k_cache.shape[1])))
+                                               self.scale, self._decode_method(meta, k_cache.shape[1], bias_only)))
             start += meta.batch
         return torch.cat(outs)
 
-    def _decode_method(self, meta: PagedDecodeMeta, block_size: int) -> str:
+    def _decode_method(self, meta: PagedDecodeMeta, block_size: int, bias_only: bool = False) -> str:
         choice = self.attention_choice
-        return choice.method_for(meta.batch * meta.n_blocks * block_size) if choice else "per_head"
+        method = choice.method_for(meta.batch * meta.n_blocks * block_size) if choice else "per_head"
+        return "per_head" if bias_only and method == "native" else method  # the C++ kernel takes lengths only
 
     @torch.inference_mode()
     def warm_up_decode_attention(self, cache: KVCache) -> None:
@@ -376,10 +399,23 @@ class LlamaModel:
         for li, lk in enumerate(self.layers):
             q, _, _ = self._qkv(lk, h, batch.positions, self._rope_tables(batch.positions), None, cache.k[li],
                                 cache.v[li], batch.slots)
-            attn = decode_attention(q, cache.k[li], cache.v[li], slot_table, valid, self.scale)
+            w = self.windows[li]
+            seen = valid if w is None else valid & (cols.unsqueeze(0) > (batch.positions - w).unsqueeze(1))
+            attn = decode_attention(q, cache.k[li], cache.v[li], slot_table, seen, self.scale)
             h = lk.o_proj(attn.reshape(b, cfg.q_size), residual=h)
             h = self._mlp(lk, h)
         return self._logits(h)
+
+
+def windowed_meta(meta: PagedDecodeMeta, window: int) -> PagedDecodeMeta:
+    """``meta`` for a layer that sees only the last ``window`` positions (its own included): the
+    earlier ones masked in the bias too; its lengths stay the full ones (only the bias carries the
+    window, so the caller must not pick a method that reads lengths alone)."""
+    pos = meta.visible() - 1  # [B]
+    cols = torch.arange(meta.bias.shape[-1], device=meta.bias.device)  # [L]
+    hidden = (cols.unsqueeze(0) <= (pos - window).unsqueeze(1)).unsqueeze(1)  # [B, 1, L]
+    return PagedDecodeMeta(block_ids=meta.block_ids, bias=meta.bias.masked_fill(hidden, float("-inf")),
+                           batch=meta.batch, n_blocks=meta.n_blocks, lengths=pos + 1)
 
 
 def build_model(cfg: ModelConfig, weights: ModelWeights, max_positions: int, config: EngineConfig) -> LlamaModel:

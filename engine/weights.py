@@ -31,6 +31,8 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3: RMSNorm over each head of q)
+    k_norm: torch.Tensor | None = None  # [head_dim]
 
 
 @dataclass
@@ -128,6 +130,8 @@ def load_weights(
                     [take(p + "mlp.gate_proj.weight", (inter, h)), take(p + "mlp.up_proj.weight", (inter, h))]
                 ),
                 down=take(p + "mlp.down_proj.weight", (h, inter)),
+                q_norm=take(p + "self_attn.q_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
+                k_norm=take(p + "self_attn.k_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
             )
         )
     norm = take("model.norm.weight", (h,))

@@ -8,7 +8,8 @@ import torch
 
 
 def make_tiny(family: str, path: Path, seed: int = 0, **overrides: object) -> Path:
-    """Build a tiny random ``llama`` or ``qwen2`` model with transformers and save it to ``path``."""
+    """Build a tiny random ``llama``, ``mistral``, ``qwen2`` or ``qwen3`` model with transformers and save
+    it to ``path``; norm gains are random too, so a misplaced norm shows."""
     import transformers
 
     torch.manual_seed(seed)
@@ -38,8 +39,19 @@ def make_tiny(family: str, path: Path, seed: int = 0, **overrides: object) -> Pa
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif family == "mistral":
+        cfg = transformers.MistralConfig(**common)
+        model = transformers.MistralForCausalLM(cfg)
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(**{"head_dim": 32, **common})  # head_dim != hidden / heads, as Qwen3's
+        model = transformers.Qwen3ForCausalLM(cfg)
     else:
         raise ValueError(family)
+    if family in ("mistral", "qwen3"):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(1.0, 0.3)
     model = model.float().eval()
     model.save_pretrained(path, safe_serialization=True)
     return path
