@@ -24,7 +24,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.placement import AutoscalingSection, DrainSection, PlacementSection, Scaled
+from cluster.placement import (
+    AutoscalingSection,
+    Demand,
+    DrainSection,
+    PlacementSection,
+    check_scaling,
+    demand,
+    max_replicas,
+)
 from decode_worker.config import DecodeWorkerConfig
 from engine.bundled import DEFAULT_MODEL
 from engine.config import AUTO_DTYPE, EngineConfig, parse_dtype
@@ -82,7 +90,7 @@ class EngineSection(_Section):
         return v
 
 
-class _Pool(_Section, Scaled):
+class _Pool(_Section):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=0.5, ge=0)
     num_gpus: float = Field(default=0, ge=0)
@@ -132,7 +140,7 @@ class DecodeSection(_Pool):
         return v if v is None else known_policy(v)
 
 
-class RouterSection(_Section, Scaled):
+class RouterSection(_Section):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=0.1, ge=0)
     max_ongoing_requests: int = Field(default=1000, ge=1)
@@ -185,6 +193,8 @@ class ClusterConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> ClusterConfig:
+        for name, section in self.deployments(every=True):
+            check_scaling(name, section, "num_replicas" in section.model_fields_set)
         pools = [("decode", self.decode)] + ([("prefill", self.prefill)] if self.disaggregated else [])
         cuda = self.engine.device.startswith("cuda")
         if self.disaggregated and self.kv.transport == "nccl" and not cuda:
@@ -278,7 +288,7 @@ class ClusterConfig(_Section):
         decode queue mid-stream; the router refuses it up front instead (`router.admission`).
         """
         d, r = self.decode, self.router
-        decoders = d.autoscaling.max_replicas if d.autoscaling is not None else d.num_replicas
+        decoders = max_replicas(d)
         routers = r.autoscaling.min_replicas if r.autoscaling is not None else r.num_replicas
         return max(1, decoders * (d.max_num_seqs + d.max_queue) // routers)
 
@@ -290,6 +300,17 @@ class ClusterConfig(_Section):
     def affinity(self, section: AffinitySection) -> AffinityParams:
         return AffinityParams(block_size=self.engine.block_size, max_prefix_blocks=section.max_prefix_blocks,
                               imbalance_ratio=section.imbalance_ratio, imbalance_tokens=section.imbalance_tokens)
+
+    def deployments(self, every: bool = False) -> list[tuple[str, RouterSection | _Pool]]:
+        """The deployments this config runs, by name (``every``: the prefill section in colocated mode too)."""
+        out: list[tuple[str, RouterSection | _Pool]] = [("router", self.router), ("decode", self.decode)]
+        if self.disaggregated or every:
+            out.insert(1, ("prefill", self.prefill))
+        return out
+
+    def demands(self) -> list[Demand]:
+        """What the deployments need at their maximum replica counts (`cluster.placement.pack`)."""
+        return [demand(name, s, s.num_gpus if isinstance(s, _Pool) else 0.0) for name, s in self.deployments()]
 
     def total_cpus(self) -> float:
         """CPUs every replica together asks Ray for (for sizing a local cluster)."""
