@@ -39,6 +39,7 @@ from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent, merge_events
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.load_report import LoadReport
+from engine.prefill_planner import grant_tokens
 from engine.runner import DecodeSeq, PrefillChunk
 from engine.sampling import SamplerState, sample
 
@@ -314,20 +315,19 @@ class DecodeWorker:
             self.scheduler.on_transfer_done(st.request_id)
 
     def _plan_prefill(self) -> tuple[list[PrefillChunk], list[Stream]]:
-        """Colocated only: whole prompts at once, or up to ``prefill_chunk_size`` tokens this step."""
-        budget = self.config.prefill_chunk_size or None
+        """Colocated only: whole prompts at once, or ``prefill_chunk_size`` tokens this step split as
+        the prefill pool splits its budget (`engine.prefill_planner`)."""
+        remaining = [len(st.req.prompt_token_ids) - st.prefilled for st in self.prefilling]
+        budget = self.config.prefill_chunk_size or sum(remaining)
+        cap = self.config.prefill_chunk_size or max(remaining, default=1)
         chunks: list[PrefillChunk] = []
         streams: list[Stream] = []
-        for st in self.prefilling:
+        for st, n in zip(self.prefilling, grant_tokens(remaining, budget, cap), strict=True):
+            if n == 0:
+                continue
             seq = self.scheduler.get(st.request_id)
             assert seq is not None
             prompt = st.req.prompt_token_ids
-            n = len(prompt) - st.prefilled
-            if budget is not None:
-                if budget <= 0:
-                    break
-                n = min(n, budget)
-                budget -= n
             chunks.append(PrefillChunk(prompt[st.prefilled : st.prefilled + n], st.prefilled, seq.block_ids))
             streams.append(st)
         return chunks, streams

@@ -9,7 +9,7 @@ Life cycle of a request (each name is a queue or a state in this file):
    waits at the head (blocks come back as the outbox drains) — FIFO, so a long prompt is never
    overtaken forever.
 3. Each step packs chunks of the admitted jobs into one forward under ``max_batch_tokens``
-   (`prefill_worker.planner`): the oldest job first, then shortest-remaining first, no job more than
+   (`engine.prefill_planner`): the oldest job first, then shortest-remaining first, no job more than
    ``max_chunk_tokens`` per step — a long prompt is prefilled over several steps (chunked prefill)
    and short prompts pass it between its chunks; several short prompts share one forward.
 4. After its last chunk a job samples token 0, registers its full blocks in the prefix cache, and
@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.load_report import LoadReport
+from engine.prefill_planner import grant_tokens, wants_more
 from engine.runner import PrefillChunk
 from engine.sampling import SamplerState, sample
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from kv_transfer.outbox import Outbox
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.planner import grant_tokens, wants_more
 from prefill_worker.types import PrefillRequest, PrefillResult, PrefillTimings
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class PrefillWorker:
                 self._finish(job, logits[row : row + 1])
 
     def _plan(self) -> tuple[list[PrefillChunk], list[_Job]]:
-        """Pick this step's chunks: admit FIFO as blocks allow, split the budget (`planner`)."""
+        """Pick this step's chunks: admit FIFO as blocks allow, split the budget (`engine.prefill_planner`)."""
         budget = self.config.max_batch_tokens
         cap = min(self.config.max_chunk_tokens or budget, budget)
         pool = self.engine.pool
