@@ -34,6 +34,6 @@ def node_address() -> str:
             return str(ray.util.get_node_ip_address())
     except Exception:
         pass
-    from kv_transfer.server import node_ip
+    from kv_transfer.node import node_ip
 
     return node_ip()
