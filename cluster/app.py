@@ -44,10 +44,6 @@ def _actor_options(num_cpus: float, num_gpus: float, num_threads: int | None) ->
     return options
 
 
-def _scaling(section: Any) -> dict[str, Any]:
-    return serve_options(section.num_replicas, section.placement, section.autoscaling, section.drain)
-
-
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The Serve entry point: ``args`` is the YAML's ``args:``. (Serve requires exactly one parameter.)"""
     return compose_app(ClusterConfig.from_args(args))
@@ -74,7 +70,7 @@ def compose_app(
         ray_actor_options=_actor_options(cfg.decode.num_cpus, cfg.decode.num_gpus, threads)
         | actor_placement(cfg.decode.placement),
         request_router_config=serve_router_config(cfg.decode_policy(), cfg.affinity(cfg.decode.affinity), period),
-        **_scaling(cfg.decode),
+        **serve_options(cfg.decode),
     ).bind(cfg.decode_worker_config())
 
     prefill = None
@@ -90,12 +86,12 @@ def compose_app(
             | actor_placement(cfg.prefill.placement),
             request_router_config=serve_router_config(cfg.prefill.policy, cfg.affinity(cfg.prefill.affinity),
                                                       period),
-            **_scaling(cfg.prefill),
+            **serve_options(cfg.prefill),
         ).bind(cfg.prefill_worker_config())
 
     return cast(Deployment, Router).options(
         name="router",
         max_ongoing_requests=cfg.router.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.router.num_cpus} | actor_placement(cfg.router.placement),
-        **_scaling(cfg.router),
+        **serve_options(cfg.router),
     ).bind(prefill, decode, cfg.router_config(), codec_factory)

@@ -3,7 +3,9 @@
 Owns: the YAML schema (pydantic, ``extra="forbid"``: a misspelt key is an error naming the key and
 what is allowed), the cross-field rules, the environment variables (read here, once, through
 `Environment.read`), and the per-component configs built from it: `PrefillWorkerConfig`,
-`DecodeWorkerConfig`, `RouterConfig`.
+`DecodeWorkerConfig`, `RouterConfig`. A section's defaults are those of the config it builds
+(stated there once); what the cluster chooses otherwise (``dtype: auto``, the prefill pool's
+``num_blocks``, the KV secret) is stated here.
 
 Invariants: a `ClusterConfig` that constructed is consistent — nccl means every worker asks for a
 GPU and runs on cuda; cuda means GPUs are asked for; colocated mode has no prefill pool (its
@@ -24,11 +26,19 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.placement import AutoscalingSection, DrainSection, PlacementSection, Scaled
+from cluster.placement import (
+    AutoscalingSection,
+    Demand,
+    DrainSection,
+    PlacementSection,
+    check_scaling,
+    demand,
+    max_replicas,
+)
 from decode_worker.config import DecodeWorkerConfig
 from engine.bundled import DEFAULT_MODEL
 from engine.config import AUTO_DTYPE, EngineConfig, parse_dtype
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.config import KVTransferConfig, Transport
 from prefill_worker.config import PrefillWorkerConfig
 from router.config import RouterConfig
 from router.policy import AffinityParams, known_policy
@@ -61,11 +71,13 @@ class _Section(BaseModel):
 
 
 class EngineSection(_Section):
-    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"  # bf16 where the device computes in it, else fp32 (`engine.config.fast_dtype`)
-    block_size: int = Field(default=16, ge=1, le=1024)
-    num_threads: int | None = Field(default=None, ge=1)  # torch threads per worker replica
-    enable_prefix_cache: bool = True
+    device: str = EngineConfig.device  # "cpu" | "cuda" | "cuda:N"
+    # bf16 where the device computes in it, else fp32 (`engine.config.fast_dtype`); a bare
+    # EngineConfig keeps fp32, the reference
+    dtype: str = AUTO_DTYPE
+    block_size: int = Field(default=EngineConfig.block_size, ge=1, le=1024)
+    num_threads: int | None = Field(default=EngineConfig.num_threads, ge=1)  # torch threads per worker replica
+    enable_prefix_cache: bool = EngineConfig.enable_prefix_cache
 
     @field_validator("dtype")
     @classmethod
@@ -82,14 +94,15 @@ class EngineSection(_Section):
         return v
 
 
-class _Pool(_Section, Scaled):
+class _Pool(_Section):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=0.5, ge=0)
     num_gpus: float = Field(default=0, ge=0)
-    max_queue: int = Field(default=256, ge=1)  # worker queue bound; past it the router answers 429
+    # worker queue bound; past it the router answers 429 (a pool's section takes its worker's default)
+    max_queue: int = Field(default=DecodeWorkerConfig.max_queue, ge=1)
     max_ongoing_requests: int = Field(default=1024, ge=1)  # Serve's per-replica bound (above max_queue)
-    num_blocks: int = Field(default=1024, ge=1)
-    max_num_seqs: int = Field(default=64, ge=1)
+    num_blocks: int = Field(default=EngineConfig.num_blocks, ge=1)
+    max_num_seqs: int = Field(default=EngineConfig.max_num_seqs, ge=1)
     num_threads: int | None = Field(default=None, ge=1)  # overrides engine.num_threads for this pool
     cpu_affinity: list[int] | None = Field(default=None, min_length=1)  # pin this pool's replicas to these cores
     placement: PlacementSection = PlacementSection()  # which nodes (cluster/placement.py)
@@ -104,10 +117,13 @@ class AffinitySection(_Section):
 
 
 class PrefillSection(_Pool):
-    max_batch_tokens: int = Field(default=2048, ge=1)
-    max_chunk_tokens: int | None = Field(default=512, ge=1)  # one prompt's most tokens per forward; None: budget
-    warmup_tokens: int | None = Field(default=None, ge=0)  # start-up forward; None: max_batch_tokens, 0: none
-    num_blocks: int = Field(default=512, ge=1)
+    max_queue: int = Field(default=PrefillWorkerConfig.max_queue, ge=1)
+    max_batch_tokens: int = Field(default=PrefillWorkerConfig.max_batch_tokens, ge=1)
+    # one prompt's most tokens per forward; None: the budget
+    max_chunk_tokens: int | None = Field(default=PrefillWorkerConfig.max_chunk_tokens, ge=1)
+    # start-up forward; None: max_batch_tokens, 0: none
+    warmup_tokens: int | None = Field(default=PrefillWorkerConfig.warmup_tokens, ge=0)
+    num_blocks: int = Field(default=512, ge=1)  # a prefill replica's blocks are held only until pulled
     policy: str = "prefix_affinity"  # a name in router.policy.POLICIES
     affinity: AffinitySection = AffinitySection()
 
@@ -118,10 +134,12 @@ class PrefillSection(_Pool):
 
 
 class DecodeSection(_Pool):
-    prefill_chunk_size: int = Field(default=0, ge=0)  # colocated only: 0 = whole prompt at once
-    stream_interval: int = Field(default=1, ge=1, le=64)  # tokens per streamed event after the first
-    watermark_blocks: int = Field(default=1, ge=0)
-    max_swap_blocks: int = Field(default=4096, ge=0)
+    # colocated only: 0 = whole prompt at once
+    prefill_chunk_size: int = Field(default=DecodeWorkerConfig.prefill_chunk_size, ge=0)
+    # tokens per streamed event after the first
+    stream_interval: int = Field(default=DecodeWorkerConfig.stream_interval, ge=1, le=64)
+    watermark_blocks: int = Field(default=DecodeWorkerConfig.watermark_blocks, ge=0)
+    max_swap_blocks: int = Field(default=DecodeWorkerConfig.max_swap_blocks, ge=0)
     # colocated replicas prefill, so a shared prefix pays there; disaggregated decode replicas do not
     policy: str | None = None  # a name in router.policy.POLICIES; None: by mode (`decode_policy`)
     affinity: AffinitySection = AffinitySection()
@@ -132,12 +150,12 @@ class DecodeSection(_Pool):
         return v if v is None else known_policy(v)
 
 
-class RouterSection(_Section, Scaled):
+class RouterSection(_Section):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=0.1, ge=0)
     max_ongoing_requests: int = Field(default=1000, ge=1)
     api_keys: list[str] = Field(default_factory=list, repr=False)
-    public_paths: list[str] = Field(default_factory=lambda: ["/health", "/ready", "/metrics"])
+    public_paths: list[str] = Field(default_factory=lambda: list(RouterConfig.public_paths))
     routing_stats_period_s: float = Field(default=1.0, gt=0)
     placement: PlacementSection = PlacementSection()
     autoscaling: AutoscalingSection | None = None
@@ -152,21 +170,21 @@ class RouterSection(_Section, Scaled):
 
 
 class KVSection(_Section):
-    transport: Literal["gloo", "nccl", "local"] = "gloo"
-    host: str | None = None
-    port: int = Field(default=0, ge=0, lt=65536)
-    secret: str | None = Field(default=None, repr=False)
-    lease_s: float = Field(default=30.0, gt=0)
-    timeout_s: float = Field(default=30.0, gt=0)
+    transport: Transport = KVTransferConfig.transport
+    host: str | None = KVTransferConfig.host
+    port: int = Field(default=KVTransferConfig.port, ge=0, lt=65536)
+    secret: str | None = Field(default=None, repr=False)  # None: PDSERVE_KV_SECRET, else a random one
+    lease_s: float = Field(default=KVTransferConfig.lease_s, gt=0)
+    timeout_s: float = Field(default=KVTransferConfig.timeout_s, gt=0)
 
 
 class LimitsSection(_Section):
-    max_model_len: int | None = Field(default=None, ge=2)
-    max_body_bytes: int = Field(default=1 << 20, ge=1024)
-    default_max_tokens: int | None = Field(default=None, ge=1)
-    prefill_timeout_s: float = Field(default=120.0, gt=0)
-    token_timeout_s: float = Field(default=60.0, gt=0)
-    ready_timeout_s: float = Field(default=5.0, gt=0)
+    max_model_len: int | None = Field(default=RouterConfig.max_model_len, ge=2)
+    max_body_bytes: int = Field(default=RouterConfig.max_body_bytes, ge=1024)
+    default_max_tokens: int | None = Field(default=RouterConfig.default_max_tokens, ge=1)
+    prefill_timeout_s: float = Field(default=RouterConfig.prefill_timeout_s, gt=0)
+    token_timeout_s: float = Field(default=RouterConfig.token_timeout_s, gt=0)  # the router's and decode's
+    ready_timeout_s: float = Field(default=RouterConfig.ready_timeout_s, gt=0)
     # generations in flight per router replica, past it 429; None: what the decode pool holds
     max_inflight_requests: int | None = Field(default=None, ge=1)
 
@@ -185,6 +203,8 @@ class ClusterConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> ClusterConfig:
+        for name, section in self.deployments(every=True):
+            check_scaling(name, section, "num_replicas" in section.model_fields_set)
         pools = [("decode", self.decode)] + ([("prefill", self.prefill)] if self.disaggregated else [])
         cuda = self.engine.device.startswith("cuda")
         if self.disaggregated and self.kv.transport == "nccl" and not cuda:
@@ -278,7 +298,7 @@ class ClusterConfig(_Section):
         decode queue mid-stream; the router refuses it up front instead (`router.admission`).
         """
         d, r = self.decode, self.router
-        decoders = d.autoscaling.max_replicas if d.autoscaling is not None else d.num_replicas
+        decoders = max_replicas(d)
         routers = r.autoscaling.min_replicas if r.autoscaling is not None else r.num_replicas
         return max(1, decoders * (d.max_num_seqs + d.max_queue) // routers)
 
@@ -290,6 +310,17 @@ class ClusterConfig(_Section):
     def affinity(self, section: AffinitySection) -> AffinityParams:
         return AffinityParams(block_size=self.engine.block_size, max_prefix_blocks=section.max_prefix_blocks,
                               imbalance_ratio=section.imbalance_ratio, imbalance_tokens=section.imbalance_tokens)
+
+    def deployments(self, every: bool = False) -> list[tuple[str, RouterSection | _Pool]]:
+        """The deployments this config runs, by name (``every``: the prefill section in colocated mode too)."""
+        out: list[tuple[str, RouterSection | _Pool]] = [("router", self.router), ("decode", self.decode)]
+        if self.disaggregated or every:
+            out.insert(1, ("prefill", self.prefill))
+        return out
+
+    def demands(self) -> list[Demand]:
+        """What the deployments need at their maximum replica counts (`cluster.placement.pack`)."""
+        return [demand(name, s, s.num_gpus if isinstance(s, _Pool) else 0.0) for name, s in self.deployments()]
 
     def total_cpus(self) -> float:
         """CPUs every replica together asks Ray for (for sizing a local cluster)."""

@@ -5,11 +5,15 @@ Owns:
   (`PlacementSection`: ``resources``, Ray custom resources per replica, e.g. ``{prefill_node: 0.01}``;
   ``label_selector``, Ray node labels, e.g. ``{pdserve.io/pool: prefill}``; ``max_replicas_per_node``),
   ``autoscaling`` (`AutoscalingSection`: Serve's min/max replicas, target ongoing requests) and
-  ``drain`` (`DrainSection`: Serve's graceful shutdown), plus the `Scaled` rule between them;
+  ``drain`` (`DrainSection`: Serve's graceful shutdown), plus the rule between replica count and
+  autoscaling (`check_scaling`);
 - their translation into ``Deployment.options(...)`` (`serve_options`) and ``ray_actor_options``
   (`actor_placement`), used by `cluster.app.compose_app`;
-- `pack`: first-fit of every deployment's replicas (at their maximum count) onto node groups
-  (``ray start --resources/--labels``, KubeRay worker groups), reporting what does not fit and why.
+- `pack`: first-fit of every deployment's replicas (at their maximum count, `demand`) onto node
+  groups (``ray start --resources/--labels``, KubeRay worker groups), reporting what does not fit and why.
+
+Reads a deployment's section through the `Scaling` protocol, never the whole cluster config:
+`cluster.config` builds on this module, not the reverse.
 
 Invariants: a pool either has a fixed ``num_replicas`` or an ``autoscaling`` range, never both
 explicitly; custom resource names never shadow Ray's built-ins (``CPU``, ``GPU``, ``memory``);
@@ -25,12 +29,9 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-if TYPE_CHECKING:
-    from cluster.config import ClusterConfig
 
 RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 _NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
@@ -97,22 +98,31 @@ class PlacementSection(_Strict):
         return v
 
 
-class Scaled(BaseModel):
-    """Mixed into each deployment section of `ClusterConfig`, which declares ``num_replicas``,
-    ``placement``, ``autoscaling`` and ``drain`` (the fields stay there, in the YAML's order)."""
-
-    @model_validator(mode="after")
-    def _replicas_or_autoscaling(self) -> Scaled:
-        if getattr(self, "autoscaling", None) is not None and "num_replicas" in self.model_fields_set:
-            raise ValueError("set num_replicas or autoscaling, not both (autoscaling.initial_replicas "
-                             "sets the starting count)")
-        return self
+class Scaling(Protocol):
+    """What placement reads of one deployment's section (``router``, ``prefill``, ``decode``)."""
 
     @property
-    def max_replicas(self) -> int:
-        """The most replicas this deployment may run (what the cluster must have room for)."""
-        auto: AutoscalingSection | None = getattr(self, "autoscaling", None)
-        return auto.max_replicas if auto is not None else int(getattr(self, "num_replicas", 1))
+    def num_replicas(self) -> int: ...
+    @property
+    def num_cpus(self) -> float: ...
+    @property
+    def placement(self) -> PlacementSection: ...
+    @property
+    def autoscaling(self) -> AutoscalingSection | None: ...
+    @property
+    def drain(self) -> DrainSection: ...
+
+
+def check_scaling(name: str, section: Scaling, num_replicas_set: bool) -> None:
+    """A fixed ``num_replicas`` (set explicitly) and an ``autoscaling`` range exclude each other."""
+    if section.autoscaling is not None and num_replicas_set:
+        raise ValueError(f"{name}: set num_replicas or autoscaling, not both (autoscaling.initial_replicas "
+                         "sets the starting count)")
+
+
+def max_replicas(section: Scaling) -> int:
+    """The most replicas a deployment may run (what the cluster must have room for)."""
+    return section.autoscaling.max_replicas if section.autoscaling is not None else section.num_replicas
 
 
 def parse_selector(expr: str) -> tuple[bool, frozenset[str]]:
@@ -134,20 +144,19 @@ def selector_matches(selector: Mapping[str, str], labels: Mapping[str, str]) -> 
 
 # ---- Serve options ---------------------------------------------------------------------------
 
-def serve_options(num_replicas: int, placement: PlacementSection, autoscaling: AutoscalingSection | None,
-                  drain: DrainSection) -> dict[str, Any]:
+def serve_options(section: Scaling) -> dict[str, Any]:
     """``Deployment.options`` keywords for replica count, autoscaling, spread and drain."""
     opts: dict[str, Any] = {
-        "graceful_shutdown_wait_loop_s": drain.wait_loop_s,
-        "graceful_shutdown_timeout_s": drain.timeout_s,
+        "graceful_shutdown_wait_loop_s": section.drain.wait_loop_s,
+        "graceful_shutdown_timeout_s": section.drain.timeout_s,
     }
-    if autoscaling is not None:
+    if section.autoscaling is not None:
         opts["num_replicas"] = None  # Serve refuses a fixed count next to an autoscaling_config
-        opts["autoscaling_config"] = autoscaling.model_dump(exclude_none=True)
+        opts["autoscaling_config"] = section.autoscaling.model_dump(exclude_none=True)
     else:
-        opts["num_replicas"] = num_replicas
-    if placement.max_replicas_per_node is not None:
-        opts["max_replicas_per_node"] = placement.max_replicas_per_node
+        opts["num_replicas"] = section.num_replicas
+    if section.placement.max_replicas_per_node is not None:
+        opts["max_replicas_per_node"] = section.placement.max_replicas_per_node
     return opts
 
 
@@ -194,18 +203,11 @@ class Fit:
         return not self.problems
 
 
-def demands(cfg: ClusterConfig) -> list[Demand]:
-    """What ``cfg``'s deployments need at their maximum replica counts."""
-    pools: list[tuple[str, Any]] = [("router", cfg.router), ("decode", cfg.decode)]
-    if cfg.disaggregated:
-        pools.insert(1, ("prefill", cfg.prefill))
-    out = []
-    for name, s in pools:
-        p: PlacementSection = s.placement
-        res = {"CPU": float(s.num_cpus), **({"GPU": float(s.num_gpus)} if getattr(s, "num_gpus", 0) else {}),
-               **p.resources}
-        out.append(Demand(name, s.max_replicas, res, dict(p.label_selector), p.max_replicas_per_node))
-    return out
+def demand(name: str, section: Scaling, num_gpus: float = 0.0) -> Demand:
+    """What one deployment needs at its maximum replica count."""
+    p = section.placement
+    res = {"CPU": float(section.num_cpus), **({"GPU": float(num_gpus)} if num_gpus else {}), **p.resources}
+    return Demand(name, max_replicas(section), res, dict(p.label_selector), p.max_replicas_per_node)
 
 
 def _eligible(d: Demand, g: NodeGroup) -> bool:

@@ -1,9 +1,14 @@
-"""Configuration of one decode replica (built by `cluster.config.ClusterConfig`)."""
+"""Configuration of one decode replica (built by `cluster.config.ClusterConfig`).
+
+Each default is stated once: here, or in the component it configures (`SchedulerConfig`); the
+cluster's YAML sections take theirs from these classes.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from decode_worker.scheduler import SchedulerConfig
 from engine.bundled import DEFAULT_MODEL
 from engine.config import EngineConfig
 from kv_transfer.config import KVTransferConfig
@@ -16,8 +21,8 @@ class DecodeWorkerConfig:
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)
     mode: str = "disaggregated"  # "disaggregated" | "colocated"
     prefill_chunk_size: int = 0  # colocated: 0 = whole prompt at once, else chunk size in tokens
-    watermark_blocks: int = 1
-    max_swap_blocks: int = 4096
+    watermark_blocks: int = SchedulerConfig.watermark_blocks
+    max_swap_blocks: int = SchedulerConfig.max_swap_blocks
     max_queue: int = 256  # waiting requests beyond this are refused (the router answers 429)
     token_timeout_s: float = 60.0  # a stream with no token for this long ends with an error
     # tokens per streamed event after a stream's first (its last may hold fewer): as vLLM's

@@ -39,12 +39,13 @@ import operator
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
+from engine.config import EngineConfig
 from engine.errors import ContextLengthError
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # running + transferring + swapped
+    max_num_seqs: int = EngineConfig.max_num_seqs  # running + transferring + swapped
     watermark_blocks: int = 1  # kept free at admission and resume so running sequences can grow
     max_swap_blocks: int = 4096  # host blocks for swapped-out KV; keep it a few times num_blocks
 

@@ -39,8 +39,10 @@ from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent, merge_events
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.load_report import LoadReport
+from engine.prefill_planner import grant_tokens
 from engine.runner import DecodeSeq, PrefillChunk
 from engine.sampling import SamplerState, sample
+from engine.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +75,7 @@ class DecodeWorker:
         self.streams: dict[str, Stream] = {}
         self.prefilling: list[Stream] = []  # colocated: admitted, prompt KV still being computed
         self.host_swap: dict[str, torch.Tensor] = {}
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._loop = StepLoop(f"{replica_id}-step-loop", self._step, self._fail_streams)
         self._background: set[asyncio.Future[None]] = set()
         self.num_steps = 0
         self.step_seconds = 0.0  # inside the model thread's forwards, summed over steps
@@ -86,15 +87,10 @@ class DecodeWorker:
     # -- public API ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name=f"{self.replica_id}-step-loop")
+        await self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._loop.stop()
         for stream in list(self.streams.values()):
             self._end(stream, "error", "decode worker stopped")
 
@@ -173,7 +169,7 @@ class DecodeWorker:
             stream.next_token = req.first_token_id
         self.scheduler.add(req.request_id, n_prompt, arrival=stream.enqueued)
         self.streams[req.request_id] = stream
-        self._wake.set()
+        self._loop.wake()
         return stream
 
     def _queued_beyond_free_slots(self) -> int:
@@ -220,16 +216,9 @@ class DecodeWorker:
 
     # -- step loop ------------------------------------------------------------------------------
 
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self._step()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a bug in one step must not silently stop every stream
-                log.exception("decode step loop error")
-                for st in list(self.streams.values()):
-                    self._end(st, "error", f"decode worker error: {e}")
+    def _fail_streams(self, e: Exception) -> None:
+        for st in list(self.streams.values()):
+            self._end(st, "error", f"decode worker error: {e}")
 
     async def _step(self) -> None:
         out = self.scheduler.schedule()
@@ -237,9 +226,7 @@ class DecodeWorker:
         decode = [self.streams[s.request_id] for s in out.decode if s.request_id in self.streams]
         chunks, prefill_streams = self._plan_prefill()
         if not decode and not chunks:
-            self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+            await self._loop.idle(1.0)
             return
         seqs = [self._decode_seq(st) for st in decode]
         try:
@@ -306,7 +293,7 @@ class DecodeWorker:
             return
         finally:
             st.pull_task = None
-            self._wake.set()
+            self._loop.wake()
         st.transfer_s, st.transfer_bytes = stats.seconds, stats.bytes
         if st.aborted:
             self._end(st, "abort")
@@ -314,20 +301,19 @@ class DecodeWorker:
             self.scheduler.on_transfer_done(st.request_id)
 
     def _plan_prefill(self) -> tuple[list[PrefillChunk], list[Stream]]:
-        """Colocated only: whole prompts at once, or up to ``prefill_chunk_size`` tokens this step."""
-        budget = self.config.prefill_chunk_size or None
+        """Colocated only: whole prompts at once, or ``prefill_chunk_size`` tokens this step split as
+        the prefill pool splits its budget (`engine.prefill_planner`)."""
+        remaining = [len(st.req.prompt_token_ids) - st.prefilled for st in self.prefilling]
+        budget = self.config.prefill_chunk_size or sum(remaining)
+        cap = self.config.prefill_chunk_size or max(remaining, default=1)
         chunks: list[PrefillChunk] = []
         streams: list[Stream] = []
-        for st in self.prefilling:
+        for st, n in zip(self.prefilling, grant_tokens(remaining, budget, cap), strict=True):
+            if n == 0:
+                continue
             seq = self.scheduler.get(st.request_id)
             assert seq is not None
             prompt = st.req.prompt_token_ids
-            n = len(prompt) - st.prefilled
-            if budget is not None:
-                if budget <= 0:
-                    break
-                n = min(n, budget)
-                budget -= n
             chunks.append(PrefillChunk(prompt[st.prefilled : st.prefilled + n], st.prefilled, seq.block_ids))
             streams.append(st)
         return chunks, streams

@@ -34,6 +34,7 @@ from engine.kv_cache import KVCache
 from kv_transfer.auth import check_secret, make_hello, verify_welcome
 from kv_transfer.blocking import make_executor, run_bounded
 from kv_transfer.blocks import direct_views, run_lengths
+from kv_transfer.config import KVTransferConfig
 from kv_transfer.dataplane import open_and_recv, open_and_recv_stream
 from kv_transfer.errors import AuthError, ConnectionClosed, TransferError, TransferRefused, TransferTimeout
 from kv_transfer.framing import recv_message, send_message
@@ -101,7 +102,7 @@ class KVPuller:
     # --- public -------------------------------------------------------------------------------
 
     async def pull(self, handle: KVHandle, dst_cache: KVCache, dst_block_ids: list[int],
-                   timeout_s: float = 30.0) -> PullStats:
+                   timeout_s: float = KVTransferConfig.timeout_s) -> PullStats:
         """Receive ``handle``'s blocks into ``dst_block_ids`` (the first ``handle.n_blocks`` of them)."""
         handle.layout.check_compatible(self.layout)  # the source re-checks; this fails fast
         self.layout.check_cache(dst_cache)

@@ -8,13 +8,16 @@ other. `node_address` is the address other nodes reach this one at.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+Transport = Literal["gloo", "nccl", "local"]
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     """How this replica's KV leaves (prefill) or arrives (decode)."""
 
-    transport: str = "gloo"  # "gloo" | "nccl" | "local"
+    transport: Transport = "gloo"
     host: str | None = None  # address the control channel binds to; None: this node's IP
     port: int = 0  # 0: a free port
     secret: str = ""  # cluster secret for the control channel HMAC
@@ -31,6 +34,6 @@ def node_address() -> str:
             return str(ray.util.get_node_ip_address())
     except Exception:
         pass
-    from kv_transfer.server import node_ip
+    from kv_transfer.node import node_ip
 
     return node_ip()

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kv_transfer.config import KVTransferConfig
 from kv_transfer.errors import TransferRefused
 
 _HISTORY = 4096  # remembered fates of finished ids, for better refusal reasons
@@ -63,7 +64,7 @@ class OutboxStats:
 class Outbox:
     """Blocks of finished prefills, keyed by transfer id, each under a lease."""
 
-    def __init__(self, free_fn: Callable[[list[int]], None], default_lease_s: float = 30.0,
+    def __init__(self, free_fn: Callable[[list[int]], None], default_lease_s: float = KVTransferConfig.lease_s,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if default_lease_s <= 0:
             raise ValueError(f"default_lease_s must be positive, got {default_lease_s}")

@@ -1,4 +1,7 @@
-"""Configuration of one prefill replica (built by `cluster.config.ClusterConfig`)."""
+"""Configuration of one prefill replica (built by `cluster.config.ClusterConfig`).
+
+Each default is stated here once; the cluster's YAML ``prefill`` section takes its defaults from it.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """`PrefillServer`: the Ray Serve replica of the prefill pool — a thin shell over `PrefillWorker`.
 
-Owns: building one replica's pieces from a `PrefillWorkerConfig` (engine, outbox, the KV source
-that serves pulls, the worker) and exposing them to the router: ``prefill``, ``load``, ``ready``,
-``stats``. All serving logic is in `prefill_worker.worker`; all transfer logic in `kv_transfer`.
+Owns: building one replica's pieces from a `PrefillWorkerConfig` (on `engine.replica.ReplicaShell`'s
+engine: the outbox, the KV source that serves pulls, the worker) and exposing them to the router:
+``prefill``, ``load``, ``ready``, ``stats``. All serving logic is in `prefill_worker.worker`; all
+transfer logic in `kv_transfer`.
 
 Invariants: the replica reports ready only after the model is loaded, has run its warm-up forward
 (``warmup_tokens``, by default one full ``max_batch_tokens`` batch) and the KV source listens;
@@ -14,15 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any
 
-import torch
-
-from engine.engine import Engine
 from engine.load_report import LoadReport
-from engine.tokenizer import Tokenizer
+from engine.replica import ReplicaShell
 from kv_transfer.config import node_address
 from kv_transfer.layout import KVLayout
 from kv_transfer.outbox import Outbox
@@ -34,18 +31,15 @@ from prefill_worker.worker import PrefillWorker
 log = logging.getLogger(__name__)
 
 
-class PrefillServer:
+class PrefillServer(ReplicaShell):
     def __init__(self, config: PrefillWorkerConfig) -> None:
-        if config.engine.num_threads:
-            torch.set_num_threads(config.engine.num_threads)
+        super().__init__("prefill", config.model, config.engine, config.model_cache_dir)
         self.config = config
-        self.engine = Engine.load(config.model, config.engine, config.model_cache_dir)
         # the largest forward once, before serving: memory reaches its plateau at start-up, not under load
         warm = config.max_batch_tokens if config.warmup_tokens is None else config.warmup_tokens
         t0 = time.perf_counter()
         if (ran := self.engine.warm_up(warm)) > 0:
             log.info("prefill warm-up: one %d-token forward in %.2f s", ran, time.perf_counter() - t0)
-        eos = Tokenizer.from_dir(self.engine.model_dir).eos_token_ids
         self.outbox = Outbox(self.engine.pool.free, default_lease_s=config.kv.lease_s)
         layout = KVLayout.from_model(self.engine.model_config, config.engine.dtype, self.engine.block_size)
         self.source = KVSource(
@@ -60,11 +54,8 @@ class PrefillServer:
                 transfer_timeout_s=config.kv.timeout_s,
             ),
         )
-        self.replica_id = f"prefill-{os.getpid()}"
-        self._eos = eos
         self.worker: PrefillWorker | None = None
         self._start_lock: asyncio.Lock | None = None
-        self._draining = False
         self.started_at = time.time()
 
     async def _ensure_started(self) -> PrefillWorker:
@@ -76,39 +67,26 @@ class PrefillServer:
             if self.worker is None:
                 await self.source.start()
                 worker = PrefillWorker(
-                    self.engine, self.config, self.outbox, self.source.address, self._eos, self.replica_id
+                    self.engine, self.config, self.outbox, self.source.address, self.eos_token_ids,
+                    self.replica_id,
                 )
                 await worker.start()
                 self.worker = worker
         return self.worker
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
-        if self._draining:
-            from engine.errors import QueueFullError
-
-            raise QueueFullError("this prefill replica is draining", retry_after_s=0.5)
+        self.refuse_if_draining()
         worker = await self._ensure_started()
         return await worker.prefill(req)
 
     async def load(self) -> LoadReport:
         worker = await self._ensure_started()
-        rep = worker.load_report()
-        return LoadReport(**{**rep.__dict__, "outbox_pending": self.outbox.pending(), "ready": not self._draining})
-
-    async def ready(self) -> bool:
-        await self._ensure_started()
-        return not self._draining
+        return self.with_readiness(worker.load_report(), outbox_pending=self.outbox.pending())
 
     async def stats(self) -> dict[str, Any]:
         """Books for tests and dashboards: pool, outbox and source counters."""
         await self._ensure_started()
-        pool = self.engine.pool
-        pool.check_integrity()
-        return {
-            "replica_id": self.replica_id,
-            "pid": os.getpid(),
-            "kv_blocks_total": pool.num_blocks,
-            "kv_blocks_used": pool.num_used_blocks,
+        return self.pool_stats() | {
             "outbox_pending": self.outbox.pending(),
             "outbox_blocks_held": self.outbox.num_blocks_held(),
             "source": self.source.stats().__dict__ | {"outbox": self.outbox.stats().__dict__},
@@ -117,19 +95,11 @@ class PrefillServer:
     async def shutdown(self, drain_timeout_s: float | None = None) -> None:
         """Graceful drain: refuse new work, finish queued prefills, let decode replicas pull what the
         outbox holds (bounded by the lease), then free whatever is left."""
-        self._draining = True
+        self.draining = True
         limit = self.config.kv.lease_s if drain_timeout_s is None else drain_timeout_s
         deadline = time.monotonic() + limit
-        if self.worker is not None:
-            while self.worker.waiting and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            await self.worker.stop()
-        while self.outbox.pending() and time.monotonic() < deadline:  # handles already returned
-            await asyncio.sleep(0.05)
+        if (worker := self.worker) is not None:
+            await self.wait_while(lambda: worker.waiting, deadline)
+            await worker.stop()
+        await self.wait_while(self.outbox.pending, deadline)  # handles already returned
         await self.source.stop(release_pending=True)
-
-    async def __del__(self) -> None:  # Serve awaits an async __del__ when it stops a replica
-        try:
-            await self.shutdown()
-        except Exception:
-            log.exception("prefill replica shutdown failed")

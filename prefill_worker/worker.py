@@ -9,7 +9,7 @@ Life cycle of a request (each name is a queue or a state in this file):
    waits at the head (blocks come back as the outbox drains) — FIFO, so a long prompt is never
    overtaken forever.
 3. Each step packs chunks of the admitted jobs into one forward under ``max_batch_tokens``
-   (`prefill_worker.planner`): the oldest job first, then shortest-remaining first, no job more than
+   (`engine.prefill_planner`): the oldest job first, then shortest-remaining first, no job more than
    ``max_chunk_tokens`` per step — a long prompt is prefilled over several steps (chunked prefill)
    and short prompts pass it between its chunks; several short prompts share one forward.
 4. After its last chunk a job samples token 0, registers its full blocks in the prefix cache, and
@@ -38,13 +38,14 @@ from dataclasses import dataclass, field
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.load_report import LoadReport
+from engine.prefill_planner import grant_tokens, wants_more
 from engine.runner import PrefillChunk
 from engine.sampling import SamplerState, sample
+from engine.step_loop import StepLoop
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from kv_transfer.outbox import Outbox
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.planner import grant_tokens, wants_more
 from prefill_worker.types import PrefillRequest, PrefillResult, PrefillTimings
 
 log = logging.getLogger(__name__)
@@ -90,25 +91,17 @@ class PrefillWorker:
         self.replica_id = replica_id
         self.layout = KVLayout.from_model(engine.model_config, engine.config.dtype, engine.block_size)
         self.waiting: deque[_Job] = deque()
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._loop = StepLoop(f"{replica_id}-step-loop", self._step, self._fail_waiting)
         self.num_prefilled = 0
 
     # -- public API ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name=f"{self.replica_id}-step-loop")
+        await self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        while self.waiting:
-            job = self.waiting.popleft()
-            self._fail(job, RuntimeError("prefill worker stopped"))
+        await self._loop.stop()
+        self._fail_waiting(RuntimeError("prefill worker stopped"))
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         self.engine.check_length(len(req.prompt_token_ids), req.sampling.max_tokens)
@@ -122,7 +115,7 @@ class PrefillWorker:
             raise QueueFullError(f"prefill queue is full ({self.config.max_queue} waiting)", 1.0)
         job = _Job(req=req, future=asyncio.get_running_loop().create_future(), enqueued=time.monotonic())
         self.waiting.append(job)
-        self._wake.set()
+        self._loop.wake()
         try:
             return await asyncio.shield(job.future)
         except asyncio.CancelledError:
@@ -147,27 +140,12 @@ class PrefillWorker:
 
     # -- step loop ------------------------------------------------------------------------------
 
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self._step()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a bug in one step must not silently stop the pool
-                log.exception("prefill step loop error")
-                for job in list(self.waiting):
-                    self._remove(job)
-                    self._fail(job, e)
-
     async def _step(self) -> None:
         self.outbox.expire()
         self._drop_cancelled()
         chunks, jobs = self._plan()
-        if not chunks:
-            self._wake.clear()
-            # Wake on a new request, or poll: blocks come back as the outbox drains.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=0.05 if self.waiting else 1.0)
+        if not chunks:  # wake on a new request, or poll: blocks come back as the outbox drains
+            await self._loop.idle(0.05 if self.waiting else 1.0)
             return
         try:
             logits = await self.engine.model_thread.run(self.engine.runner.prefill, chunks)
@@ -184,7 +162,7 @@ class PrefillWorker:
                 self._finish(job, logits[row : row + 1])
 
     def _plan(self) -> tuple[list[PrefillChunk], list[_Job]]:
-        """Pick this step's chunks: admit FIFO as blocks allow, split the budget (`planner`)."""
+        """Pick this step's chunks: admit FIFO as blocks allow, split the budget (`engine.prefill_planner`)."""
         budget = self.config.max_batch_tokens
         cap = min(self.config.max_chunk_tokens or budget, budget)
         pool = self.engine.pool
@@ -256,6 +234,10 @@ class PrefillWorker:
     def _remove(self, job: _Job) -> None:
         with contextlib.suppress(ValueError):
             self.waiting.remove(job)
+
+    def _fail_waiting(self, exc: BaseException) -> None:
+        while self.waiting:
+            self._fail(self.waiting.popleft(), exc)
 
     def _fail(self, job: _Job, exc: BaseException) -> None:
         if job.blocks:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from cluster.config import IMPORT_PATH, ClusterConfig, Environment
-from cluster.placement import NodeGroup, demands, pack
+from cluster.placement import NodeGroup, max_replicas, pack
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -63,10 +63,10 @@ def test_embedded_serve_config_is_the_gpu_layout() -> None:
 
 def test_groups_host_every_deployment_at_its_maximum() -> None:
     _, cfg, groups = load()
-    fit = pack(demands(cfg), groups)
+    fit = pack(cfg.demands(), groups)
     assert fit.ok, fit.problems
-    assert fit.placed["prefill"] == {"prefill-gpu": cfg.prefill.max_replicas}
-    assert fit.placed["decode"] == {"decode-gpu": cfg.decode.max_replicas}
+    assert fit.placed["prefill"] == {"prefill-gpu": max_replicas(cfg.prefill)}
+    assert fit.placed["decode"] == {"decode-gpu": max_replicas(cfg.decode)}
     # each pool's custom resource is offered by exactly the group meant for it, and that group has a GPU each
     for pool, group in (("prefill", "prefill-gpu"), ("decode", "decode-gpu")):
         (resource,) = getattr(cfg, pool).placement.resources
@@ -77,7 +77,7 @@ def test_groups_host_every_deployment_at_its_maximum() -> None:
 def test_a_group_too_small_is_reported() -> None:
     _, cfg, groups = load()
     smaller = [NodeGroup(g.name, 2, g.resources, g.labels) if g.name == "decode-gpu" else g for g in groups]
-    fit = pack(demands(cfg), smaller)
+    fit = pack(cfg.demands(), smaller)
     assert fit.problems and fit.problems[0].startswith("decode: only 2 of 4 replicas fit"), fit.problems
 
 

@@ -59,7 +59,7 @@ def test_placement_reaches_the_deployments_options() -> None:
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    ({"decode": {"num_replicas": 2, "autoscaling": {"max_replicas": 4}}}, "num_replicas or autoscaling"),
+    ({"decode": {"num_replicas": 2, "autoscaling": {"max_replicas": 4}}}, "- decode: set num_replicas or autoscaling"),
     ({"decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "min_replicas <= initial_replicas"),
     ({"decode": {"autoscaling": {"min_replicas": 0, "max_replicas": 2}}}, "decode.autoscaling.min_replicas"),
     ({"prefill": {"placement": {"resources": {"GPU": 1}}}}, "prefill.placement.resources: 'GPU' is not a custom"),

@@ -1,8 +1,11 @@
-"""Which prompt tokens go into the next prefill forward: the prefill pool's pure step planner.
+"""Which prompt tokens go into the next prefill forward: the pure step planner both pools use.
 
-Owns: `grant_tokens`, the split of one forward's token budget (``max_batch_tokens``) among the
-admitted jobs, and `wants_more`, the admission bound (admit while the admitted jobs cannot fill the
-budget). `PrefillWorker` admits jobs in FIFO order as KV blocks allow, then asks for the grants.
+Owns: `grant_tokens`, the split of one forward's token budget among the admitted prompts, and
+`wants_more`, the admission bound (admit while the admitted jobs cannot fill the budget).
+`prefill_worker.worker.PrefillWorker` admits jobs in FIFO order as KV blocks allow, then asks for
+the grants (budget ``max_batch_tokens``, cap ``max_chunk_tokens``); a colocated
+`decode_worker.worker.DecodeWorker` asks for the grants of the prompts its scheduler admitted
+(budget and cap ``prefill_chunk_size``, or every prompt whole).
 
 Why a chunk cap: a forward's time grows with its tokens, and token 0 of every prompt in it waits for
 the whole forward. Without a cap a 2,000-token prompt takes the whole budget and every short prompt

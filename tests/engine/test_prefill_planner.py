@@ -1,4 +1,4 @@
-"""`prefill_worker.planner`: the split of a prefill forward's token budget, pure (no model)."""
+"""`engine.prefill_planner`: the split of a prefill forward's token budget, pure (no model)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from prefill_worker.planner import grant_tokens, wants_more
+from engine.prefill_planner import grant_tokens, wants_more
 
 pytestmark = pytest.mark.timeout(30)
 

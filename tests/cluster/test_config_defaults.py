@@ -1,0 +1,64 @@
+"""One source for every default: an empty YAML builds exactly the components' own default configs.
+
+The YAML sections take their defaults from the dataclasses they feed (`PrefillWorkerConfig`,
+`DecodeWorkerConfig`, `EngineConfig`, `KVTransferConfig`, `RouterConfig`, `SchedulerConfig`); a
+section default that drifts from its dataclass's fails here. The differences listed are the
+cluster's deliberate choices, each stated once in cluster/config.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from cluster.config import ClusterConfig, Environment
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.scheduler import SchedulerConfig
+from engine.config import EngineConfig, fast_dtype
+from prefill_worker.config import PrefillWorkerConfig
+from router.config import RouterConfig
+
+NO_ENV = Environment()
+
+
+def _differences(built: Any, default: Any) -> dict[str, tuple[Any, Any]]:
+    a, b = _flat(asdict(built)), _flat(asdict(default))
+    return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_an_empty_yaml_builds_the_workers_default_configs() -> None:
+    cfg = ClusterConfig.from_args({}, NO_ENV)
+    secret = cfg.kv.secret
+    # deliberate: dtype auto is resolved for the cluster (a bare EngineConfig is the fp32 reference);
+    # the KV secret is drawn per cluster; a prefill replica holds blocks only until they are pulled
+    engine = {"engine.dtype": (fast_dtype("cpu"), "float32")}
+    kv = {"kv.secret": (secret, "")}
+    assert _differences(cfg.prefill_worker_config(), PrefillWorkerConfig()) == {
+        **engine, **kv, "engine.num_blocks": (512, EngineConfig().num_blocks)}
+    assert _differences(cfg.decode_worker_config(), DecodeWorkerConfig()) == {**engine, **kv}
+
+
+def test_an_empty_yaml_builds_the_routers_default_config() -> None:
+    cfg = ClusterConfig.from_args({}, NO_ENV)
+    # deliberate: the cluster bounds a router's requests in flight by what its decode pool holds
+    assert _differences(cfg.router_config(), RouterConfig()) == {
+        "max_inflight_requests": (cfg.decode_capacity_per_router(), None)}
+
+
+def test_the_decode_configs_defaults_are_the_schedulers() -> None:
+    sched, worker, engine = SchedulerConfig(), DecodeWorkerConfig(), EngineConfig()
+    assert (sched.watermark_blocks, sched.max_swap_blocks) == (worker.watermark_blocks, worker.max_swap_blocks)
+    assert sched.max_num_seqs == engine.max_num_seqs
+
+
+def test_a_drifted_default_is_seen() -> None:
+    drifted = PrefillWorkerConfig(max_queue=PrefillWorkerConfig().max_queue + 1)
+    assert _differences(drifted, PrefillWorkerConfig()) == {
+        "max_queue": (drifted.max_queue, PrefillWorkerConfig().max_queue)}
