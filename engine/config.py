@@ -11,6 +11,7 @@ architectures are refused by name, never guessed.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -28,6 +29,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -70,12 +72,50 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling (``rope_type: llama3``)."""
+    """RoPE scaling as transformers computes it (`engine.rope`): ``llama3`` (frequency-dependent),
+    ``linear`` (positions divided by ``factor``) or ``yarn`` (an interpolation / extrapolation ramp
+    between ``beta_fast`` and ``beta_slow`` rotations, cos and sin times ``attention_factor``)."""
 
+    rope_type: str
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    original_max_position_embeddings: int = 0  # llama3, yarn
+    low_freq_factor: float = 0.0  # llama3
+    high_freq_factor: float = 0.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float = 1.0  # yarn: multiplies cos and sin
+    truncate: bool = True  # yarn: the correction range rounded outwards to whole dimensions
+
+
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_scaling(rs: dict[str, Any], max_positions: int, source: str) -> RopeScaling | None:
+    """The scaling a config's ``rope_scaling`` / ``rope_parameters`` asks for (None: plain RoPE)."""
+    rope_type = rs.get("rope_type", rs.get("type")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(f"{source}: unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
+    if rope_type == "default":
+        return None
+    if rope_type == "linear":
+        return RopeScaling("linear", float(rs["factor"]))
+    if rope_type == "llama3":
+        return RopeScaling("llama3", float(rs["factor"]), int(rs["original_max_position_embeddings"]),
+                           low_freq_factor=float(rs["low_freq_factor"]), high_freq_factor=float(rs["high_freq_factor"]))
+    original = int(rs["original_max_position_embeddings"])
+    factor = float(rs["factor"]) if rs.get("factor") is not None else max_positions / original
+    attention = rs.get("attention_factor")
+    if attention is None:
+        mscale, all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim) if mscale and all_dim
+                     else _yarn_mscale(factor))
+    return RopeScaling("yarn", factor, original, beta_fast=float(rs.get("beta_fast") or 32),
+                       beta_slow=float(rs.get("beta_slow") or 1), attention_factor=float(attention),
+                       truncate=bool(rs.get("truncate", True)))
 
 
 @dataclass(frozen=True)
@@ -87,7 +127,7 @@ class ModelConfig:
     with no windowed layer. ``qk_norm``: an RMSNorm over each head of q and of k before RoPE (Qwen3).
     """
 
-    family: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    family: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -144,7 +184,7 @@ class ModelConfig:
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if family is None:
             model_type = cfg.get("model_type")
-            if model_type in ("llama", "mistral", "qwen2", "qwen3"):
+            if model_type in SUPPORTED_ARCHITECTURES.values():
                 family = model_type
             else:
                 raise ModelLoadError(
@@ -155,21 +195,12 @@ class ModelConfig:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
             head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-            scaling = None
             # transformers < 5 writes `rope_scaling` + `rope_theta`; 5.x writes `rope_parameters`.
             rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
             rope_theta = float(rs.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-            if rs:
-                rope_type = rs.get("rope_type", rs.get("type"))
-                if rope_type == "llama3":
-                    scaling = RopeScaling(
-                        factor=float(rs["factor"]),
-                        low_freq_factor=float(rs["low_freq_factor"]),
-                        high_freq_factor=float(rs["high_freq_factor"]),
-                        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-                    )
-                elif rope_type not in (None, "default"):
-                    raise ModelLoadError(f"{source}: unsupported rope_scaling type {rope_type!r}")
+            scaling = _rope_scaling(rs, int(cfg.get("max_position_embeddings", 2048)), source)
+            if float(rs.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+                raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported (RoPE over whole heads)")
             _refuse_unsupported(cfg, family, source)
             window, window_layers = _windows(cfg, family, int(cfg["num_hidden_layers"]), source)
             eos = cfg.get("eos_token_id")
@@ -225,7 +256,7 @@ def _refuse_unsupported(cfg: dict[str, Any], family: str, source: str) -> None:
 
 def _windows(cfg: dict[str, Any], family: str, num_layers: int, source: str) -> tuple[int | None, tuple[int, ...]]:
     """The sliding window and the layers that use it, as transformers reads them: ``layer_types``
-    where the config has it; else Mistral windows every layer, Qwen2/Qwen3 (with
+    where the config has it; else Mistral and Phi-3 window every layer, Qwen2/Qwen3 (with
     ``use_sliding_window``) the layers from ``max_window_layers`` on."""
     window = cfg.get("sliding_window")
     if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
@@ -242,7 +273,7 @@ def _windows(cfg: dict[str, Any], family: str, num_layers: int, source: str) -> 
             raise ModelLoadError(f"{source}: layer_types has sliding_attention layers but sliding_window is unset")
     elif window is None:
         layers = ()
-    elif family == "mistral":
+    elif family in ("mistral", "phi3"):
         layers = tuple(range(num_layers))
     else:
         layers = tuple(range(int(cfg.get("max_window_layers", num_layers)), num_layers))

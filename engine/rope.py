@@ -1,4 +1,5 @@
-"""Rotary position embeddings (Hugging Face ``rotate_half`` convention), incl. llama3 scaling.
+"""Rotary position embeddings (Hugging Face ``rotate_half`` convention), with llama3, linear and
+yarn scaling.
 
 Owns: the cos/sin tables and their application to q and k.
 Invariant: tables are computed in fp32 and cast to the activation dtype on use, as transformers does.
@@ -17,6 +18,10 @@ def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, a smooth blend between.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -30,6 +35,24 @@ def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than ``beta_slow`` times over the original context are
+    interpolated (divided by ``factor``), more than ``beta_fast`` times extrapolated (kept), a linear
+    ramp between (transformers' ``_compute_yarn_parameters``)."""
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [D/2]
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return (inv_freq / s.factor) * (1 - keep) + inv_freq * keep
+
+
 class RotaryEmbedding:
     """Precomputed ``cos``/``sin`` of shape ``[max_positions, head_dim]``."""
 
@@ -38,8 +61,9 @@ class RotaryEmbedding:
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        gain = cfg.rope_scaling.attention_factor if cfg.rope_scaling is not None else 1.0  # yarn's
+        self.cos = (emb.cos() * gain).to(device)
+        self.sin = (emb.sin() * gain).to(device)
         self.max_positions = max_positions
 
     def apply(

@@ -21,6 +21,9 @@ from safetensors import SafetensorError, safe_open
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 
+#: families whose checkpoints store q/k/v and gate/up fused, in our order
+FUSED_IN_CHECKPOINT = ("phi3",)
+
 
 @dataclass
 class LayerWeights:
@@ -103,13 +106,14 @@ def load_weights(
     layers: list[LayerWeights] = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        qkv = torch.cat(
-            [
-                take(p + "self_attn.q_proj.weight", (q, h)),
-                take(p + "self_attn.k_proj.weight", (kv, h)),
-                take(p + "self_attn.v_proj.weight", (kv, h)),
-            ]
-        )
+        if cfg.family in FUSED_IN_CHECKPOINT:  # Phi-3: qkv_proj = [q; k; v], gate_up_proj = [gate; up] already
+            qkv = take(p + "self_attn.qkv_proj.weight", (q + 2 * kv, h))
+            gate_up = take(p + "mlp.gate_up_proj.weight", (2 * inter, h))
+        else:
+            qkv = torch.cat([take(p + "self_attn.q_proj.weight", (q, h)), take(p + "self_attn.k_proj.weight", (kv, h)),
+                             take(p + "self_attn.v_proj.weight", (kv, h))])
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight", (inter, h)),
+                                 take(p + "mlp.up_proj.weight", (inter, h))])
         bias = None
         if cfg.attention_bias:
             bias = torch.cat(
@@ -126,9 +130,7 @@ def load_weights(
                 qkv_bias=bias,
                 o_proj=take(p + "self_attn.o_proj.weight", (h, q)),
                 post_norm=take(p + "post_attention_layernorm.weight", (h,)),
-                gate_up=torch.cat(
-                    [take(p + "mlp.gate_proj.weight", (inter, h)), take(p + "mlp.up_proj.weight", (inter, h))]
-                ),
+                gate_up=gate_up,
                 down=take(p + "mlp.down_proj.weight", (h, inter)),
                 q_norm=take(p + "self_attn.q_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
                 k_norm=take(p + "self_attn.k_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,

@@ -8,7 +8,7 @@ import torch
 
 
 def make_tiny(family: str, path: Path, seed: int = 0, **overrides: object) -> Path:
-    """Build a tiny random ``llama``, ``mistral``, ``qwen2`` or ``qwen3`` model with transformers and save
+    """Build a tiny random ``llama``, ``mistral``, ``qwen2``, ``qwen3`` or ``phi3`` model with transformers and save
     it to ``path``; norm gains are random too, so a misplaced norm shows."""
     import transformers
 
@@ -42,12 +42,15 @@ def make_tiny(family: str, path: Path, seed: int = 0, **overrides: object) -> Pa
     elif family == "mistral":
         cfg = transformers.MistralConfig(**common)
         model = transformers.MistralForCausalLM(cfg)
+    elif family == "phi3":
+        cfg = transformers.Phi3Config(**{"pad_token_id": 0, **common})
+        model = transformers.Phi3ForCausalLM(cfg)
     elif family == "qwen3":
         cfg = transformers.Qwen3Config(**{"head_dim": 32, **common})  # head_dim != hidden / heads, as Qwen3's
         model = transformers.Qwen3ForCausalLM(cfg)
     else:
         raise ValueError(family)
-    if family in ("mistral", "qwen3"):
+    if family in ("mistral", "qwen3", "phi3"):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):

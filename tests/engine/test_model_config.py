@@ -57,6 +57,9 @@ def test_windows_per_family_match_transformers() -> None:
     ({"layer_types": ["full_attention"] * 3}, "layer_types"),
     ({"layer_types": ["sliding_attention"] * 4}, "sliding_window"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "original_max_position_embeddings"),
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
 ])
 def test_a_config_we_cannot_run_exactly_is_refused_by_name(fields: dict[str, Any], named: str) -> None:
     with pytest.raises(ModelLoadError, match=named):

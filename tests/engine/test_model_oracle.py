@@ -19,6 +19,9 @@ FAMILIES = {
     "qwen2": {},
     "llama-tied": {"tie_word_embeddings": True},
     "qwen3": {},
+    "phi3-window": {"sliding_window": 16},
+    "llama-linear-rope": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    "qwen3-yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
     "mistral-window": {"sliding_window": 16},
     "qwen2-window": {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1},
     "qwen3-window": {"use_sliding_window": True, "sliding_window": 10, "max_window_layers": 1},
@@ -39,7 +42,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     import transformers
 
     name = request.param
-    family = next((f for f in ("qwen2", "qwen3", "mistral") if name.startswith(f)), "llama")
+    family = next((f for f in ("qwen2", "qwen3", "mistral", "phi3") if name.startswith(f)), "llama")
     path = make_tiny(family, tmp_path_factory.mktemp(name), **FAMILIES[name])
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eng = Engine.from_dir(path, EngineConfig(num_blocks=128, block_size=8, enable_prefix_cache=True))
