@@ -185,7 +185,7 @@ class ModelConfig:
         if family is None:
             model_type = cfg.get("model_type")
             if model_type in SUPPORTED_ARCHITECTURES.values():
-                family = model_type
+                family = str(model_type)
             else:
                 raise ModelLoadError(
                     f"{source}: unsupported architecture {archs or model_type!r}; "
