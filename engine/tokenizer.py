@@ -8,6 +8,10 @@ Invariants:
 - `encode` / `decode` / `apply_chat_template` give what ``transformers.AutoTokenizer`` gives on the
   same folder (``add_special_tokens=False``, ``clean_up_tokenization_spaces=False``); the template is
   rendered in the same sandboxed Jinja environment transformers uses.
+- `encode_prompt` (a completion prompt) adds what the tokenizer's own post-processor adds, as
+  ``tokenizer(text)`` does (BOS for Llama- and Mistral-style tokenizers, nothing for SmolLM2's), but
+  never a second BOS when the text already starts with the BOS token; `encode_chat` adds nothing:
+  the chat template decides.
 - A message's ``content`` may be a string or a list of ``{"type": "text", "text": ...}`` parts; parts
   are joined (no separator) before rendering, so templates only ever see strings.
 - `eos_token_ids` is never empty for a folder that names an eos token, and has no duplicates.
@@ -141,6 +145,14 @@ class Tokenizer:
     # ---- text ----
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a completion prompt: the post-processor's special tokens added, BOS at most once."""
+        ids = self.encode(text, add_special_tokens=True)
+        bos = self.bos_token_id
+        if bos is not None and self.bos_token and text.startswith(self.bos_token) and ids[:2] == [bos, bos]:
+            return ids[1:]  # the text's own BOS, and the one the post-processor put before it
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))

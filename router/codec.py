@@ -1,7 +1,7 @@
 """Text ↔ token ids for the router: the only model artefact a router replica loads.
 
-Owns: the `TextCodec` protocol the router programs against (encode, chat template, per-token text
-for logprobs, a fresh incremental detokenizer per request) and `EngineTextCodec`, its
+Owns: the `TextCodec` protocol the router programs against (a completion prompt's ids, chat
+template, per-token text for logprobs, a fresh incremental detokenizer per request) and `EngineTextCodec`, its
 implementation over `engine.tokenizer.Tokenizer` + `engine.detokenizer.IncrementalDetokenizer`.
 Tests bring a fake as the `router.app.Router`'s ``codec_factory``.
 
@@ -35,7 +35,7 @@ class TextCodec(Protocol):
     @property
     def max_model_len(self) -> int | None: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode_prompt(self, text: str) -> list[int]: ...
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
 
@@ -67,8 +67,9 @@ class EngineTextCodec:
     def max_model_len(self) -> int | None:
         return self._max_len
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text)
+    def encode_prompt(self, text: str) -> list[int]:
+        """What the tokenizer's post-processor adds (BOS for Llama-style tokenizers) included, BOS once."""
+        return self._tok.encode_prompt(text)
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Raises ValueError for conversations the template refuses (its ``raise_exception``)."""

@@ -6,7 +6,9 @@ Owns: `completion_prompt`, `chat_prompt` (the chat template is applied here, in 
 Invariants: a prompt is never empty and fits ``max_model_len`` with room for at least one token;
 ``prompt + max_tokens <= max_model_len`` when the client set ``max_tokens`` (otherwise the
 request gets the rest of the context, capped by the configured default); token ids sent by the
-client are inside the vocabulary. Violations are 400s with OpenAI's wording and codes.
+client are inside the vocabulary. A text prompt gets what the tokenizer's post-processor adds (BOS
+for Llama-style tokenizers, never doubled), token ids are taken as given, and a chat gets only
+what its template writes. Violations are 400s with OpenAI's wording and codes.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from router.protocol import ChatCompletionRequest, CompletionRequest, Generation
 def completion_prompt(req: CompletionRequest, codec: TextCodec) -> tuple[int, ...]:
     prompt = req.prompt
     if isinstance(prompt, str):
-        ids = codec.encode(prompt)
+        ids = codec.encode_prompt(prompt)
     elif isinstance(prompt[0], str):
-        ids = codec.encode(str(prompt[0]))
+        ids = codec.encode_prompt(str(prompt[0]))
     else:
         ids = [int(t) for t in prompt]
         bad = next((t for t in ids if t >= codec.vocab_size), None)

@@ -67,6 +67,9 @@ class FakeCodec:
     def encode(self, text: str) -> list[int]:
         return [ord(c) if ord(c) < 256 else ord("?") for c in text]
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if any(m["role"] == "assistant" and m["content"] == "RAISE" for m in messages):
             raise ValueError("Conversation roles must alternate")
