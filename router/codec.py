@@ -1,13 +1,16 @@
 """Text ↔ token ids for the router: the only model artefact a router replica loads.
 
 Owns: the `TextCodec` protocol the router programs against (a completion prompt's ids, chat
-template, per-token text for logprobs, a fresh incremental detokenizer per request) and `EngineTextCodec`, its
-implementation over `engine.tokenizer.Tokenizer` + `engine.detokenizer.IncrementalDetokenizer`.
+template, per-token text for logprobs, a fresh incremental detokenizer per request) and
+`EngineTextCodec`, its implementation over `engine.tokenizer.Tokenizer` +
+`engine.detokenizer.IncrementalDetokenizer`.
 Tests bring a fake as the `router.app.Router`'s ``codec_factory``.
 
 Invariants: a codec is read-only after construction and shared by every request of a replica;
-detokenizers are per request; EOS ids are the tokenizer's (``eos_token`` plus the generation
-config's), used as stop token ids unless the request sets ``ignore_eos``.
+detokenizers are per request; EOS ids are the tokenizer's (``eos_token`` plus ``config.json``'s and
+``generation_config.json``'s ``eos_token_id``), used as stop token ids unless the request sets
+``ignore_eos``; the model's sampling defaults (its ``generation_config.json``) fill what a request
+leaves unset.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from engine.sampling import SamplingDefaults
 from router.config import RouterConfig
 
 
@@ -28,6 +32,9 @@ class Detokenizer(Protocol):
 class TextCodec(Protocol):
     @property
     def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults: ...
 
     @property
     def vocab_size(self) -> int: ...
@@ -58,6 +65,10 @@ class EngineTextCodec:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        return self._tok.sampling_defaults
 
     @property
     def vocab_size(self) -> int:

@@ -1,7 +1,8 @@
 """From a validated OpenAI request to what the pools take: prompt token ids and sampling params.
 
 Owns: `completion_prompt`, `chat_prompt` (the chat template is applied here, in the router) and
-`sampling_for`, which enforces the context bound.
+`sampling_for`, which enforces the context bound and fills the sampling settings a request left unset
+from the model's generation config.
 
 Invariants: a prompt is never empty and fits ``max_model_len`` with room for at least one token;
 ``prompt + max_tokens <= max_model_len`` when the client set ``max_tokens`` (otherwise the
@@ -13,7 +14,9 @@ what its template writes. Violations are 400s with OpenAI's wording and codes.
 
 from __future__ import annotations
 
-from engine.sampling import SamplingParams
+from typing import Any
+
+from engine.sampling import SamplingDefaults, SamplingParams
 from router.codec import TextCodec
 from router.errors import bad_request, context_too_long
 from router.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
@@ -53,7 +56,9 @@ def sampling_for(
     default_max_tokens: int | None,
     eos_token_ids: tuple[int, ...],
     logprobs: bool,
+    defaults: SamplingDefaults | None = None,
 ) -> SamplingParams:
+    """``defaults`` (the model's generation config) fill temperature / top_p / top_k the request left unset."""
     room = max_model_len - prompt_len
     if room < 1:
         raise context_too_long(
@@ -73,9 +78,9 @@ def sampling_for(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
+            temperature=_setting(req, "temperature", defaults),
+            top_p=_setting(req, "top_p", defaults),
+            top_k=_setting(req, "top_k", defaults),
             seed=req.seed,
             stop_token_ids=() if req.ignore_eos else eos_token_ids,
             ignore_eos=req.ignore_eos,
@@ -84,3 +89,11 @@ def sampling_for(
     except ValueError as e:
         raise bad_request(str(e)) from None
 
+
+
+def _setting(req: GenerationRequest, name: str, defaults: SamplingDefaults | None) -> Any:
+    """The request's value when it sent one, else the model's default, else the API's default."""
+    model_value = None if defaults is None else getattr(defaults, name)
+    if name in req.model_fields_set or model_value is None:
+        return getattr(req, name)
+    return model_value

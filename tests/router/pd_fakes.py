@@ -26,6 +26,7 @@ from pathlib import Path
 from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
 from engine.errors import QueueFullError
 from engine.load_report import LoadReport
+from engine.sampling import SamplingDefaults
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from prefill_worker.types import PrefillRequest, PrefillResult, PrefillTimings
@@ -61,6 +62,7 @@ class FakeDetokenizer:
 
 class FakeCodec:
     eos_token_ids = (EOS,)
+    sampling_defaults = SamplingDefaults()
     vocab_size = 256
     max_model_len = None
 

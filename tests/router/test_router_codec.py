@@ -4,14 +4,17 @@ missing one is a failed install, not a skip), and over a tokenizer whose post-pr
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import jinja2
 import pytest
 
+from engine.sampling import SamplingDefaults
 from router.codec import EngineTextCodec, TextCodec, load_codec
 from router.config import RouterConfig
-from router.prompt import chat_prompt, completion_prompt
+from router.prompt import chat_prompt, completion_prompt, sampling_for
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from tests.bos_tokenizer import BOS, BOS_ID, make_bos_tokenizer_dir
 
@@ -70,3 +73,13 @@ def test_chat_prompt_bos_comes_from_the_template_alone(bos_codec: EngineTextCode
     ids = chat_prompt(ChatCompletionRequest.model_validate({"model": "m", "messages": messages}), bos_codec)
     assert ids[0] == BOS_ID and ids[1] != BOS_ID
     assert ids == tuple(bos_codec._tok.encode(bos_codec._tok.apply_chat_template(messages)))
+
+
+def test_codec_carries_the_models_generation_config(tmp_path: Path) -> None:
+    folder = make_bos_tokenizer_dir(tmp_path)  # config.json: eos_token_id 2
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2], "top_k": 20}))
+    codec = EngineTextCodec(folder)
+    assert codec.eos_token_ids == (2, 7) and codec.sampling_defaults == SamplingDefaults(top_k=20)
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "hi"})
+    s = sampling_for(req, 3, 100, None, codec.eos_token_ids, False, codec.sampling_defaults)
+    assert s.top_k == 20 and s.temperature == 1.0 and s.stop_token_ids == (2, 7)
