@@ -28,6 +28,7 @@ from cluster.placement import AutoscalingSection, DrainSection, PlacementSection
 from decode_worker.config import DecodeWorkerConfig
 from engine.bundled import DEFAULT_MODEL
 from engine.config import AUTO_DTYPE, EngineConfig, parse_dtype
+from engine.hub import is_hub_id
 from kv_transfer.config import KVTransferConfig
 from prefill_worker.config import PrefillWorkerConfig
 from router.config import RouterConfig
@@ -230,7 +231,12 @@ class ClusterConfig(_Section):
 
     @property
     def name(self) -> str:
-        return self.served_model_name or Path(self.model).name.removesuffix(".gguf")
+        """The served name: as configured, else a hub id whole (as vLLM serves it), else the file's stem."""
+        if self.served_model_name:
+            return self.served_model_name
+        if is_hub_id(self.model) and not Path(self.model).expanduser().exists():
+            return self.model
+        return Path(self.model).name.removesuffix(".gguf")
 
     def _engine(self, pool: _Pool) -> EngineConfig:
         e = self.engine
