@@ -7,7 +7,8 @@ what is allowed), the cross-field rules, the environment variables (read here, o
 
 Invariants: a `ClusterConfig` that constructed is consistent — nccl means every worker asks for a
 GPU and runs on cuda; cuda means GPUs are asked for; colocated mode has no prefill pool (its
-section is ignored). The KV secret is the configured one, else ``PDSERVE_KV_SECRET``, else a random
+section is ignored); disaggregated pools have one KV dtype (a pool's ``dtype``, else ``engine.dtype``,
+``auto`` resolved for the device). The KV secret is the configured one, else ``PDSERVE_KV_SECRET``, else a random
 one drawn once per config (so every replica of one app shares it). Secrets never print: see
 `ClusterConfig.redacted`.
 """
@@ -21,13 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.placement import AutoscalingSection, DrainSection, PlacementSection, Scaled
 from decode_worker.config import DecodeWorkerConfig
 from engine.bundled import DEFAULT_MODEL
-from engine.config import AUTO_DTYPE, EngineConfig, parse_dtype
+from engine.config import AUTO_DTYPE, EngineConfig, fast_dtype, parse_dtype
 from engine.hub import is_hub_id
 from kv_transfer.config import KVTransferConfig
 from prefill_worker.config import PrefillWorkerConfig
@@ -61,19 +63,21 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _known_dtype(v: str | None) -> str | None:
+    if v is not None and v != AUTO_DTYPE:
+        parse_dtype(v)  # raises ValueError naming the accepted names
+    return v
+
+
 class EngineSection(_Section):
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # bf16 where the device computes in it, else fp32 (`engine.config.fast_dtype`)
+    quantization: Literal["int8"] | None = None  # int8: weight-only int8 linear layers in both pools
     block_size: int = Field(default=16, ge=1, le=1024)
     num_threads: int | None = Field(default=None, ge=1)  # torch threads per worker replica
     enable_prefix_cache: bool = True
 
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, v: str) -> str:
-        if v != AUTO_DTYPE:
-            parse_dtype(v)  # raises ValueError naming the accepted names
-        return v
+    _known_dtype = field_validator("dtype")(_known_dtype)
 
     @field_validator("device")
     @classmethod
@@ -92,10 +96,13 @@ class _Pool(_Section, Scaled):
     num_blocks: int = Field(default=1024, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     num_threads: int | None = Field(default=None, ge=1)  # overrides engine.num_threads for this pool
+    dtype: str | None = None  # overrides engine.dtype for this pool (the KV dtype: the pools must agree)
     cpu_affinity: list[int] | None = Field(default=None, min_length=1)  # pin this pool's replicas to these cores
     placement: PlacementSection = PlacementSection()  # which nodes (cluster/placement.py)
     autoscaling: AutoscalingSection | None = None  # instead of num_replicas
     drain: DrainSection = DrainSection()  # Serve's graceful shutdown
+
+    _known_dtype = field_validator("dtype")(_known_dtype)
 
 
 class AffinitySection(_Section):
@@ -197,7 +204,25 @@ class ClusterConfig(_Section):
                 raise ValueError(f"kv.transport='nccl' needs {name}.num_gpus > 0 (NCCL moves GPU memory)")
         if self.disaggregated and self.decode.prefill_chunk_size:
             raise ValueError("decode.prefill_chunk_size applies to mode='colocated' only")
+        if self.disaggregated and self._kv_dtype(self.prefill) != self._kv_dtype(self.decode):
+            raise ValueError(
+                f"{self._dtype_source('prefill', self.prefill)} and {self._dtype_source('decode', self.decode)} "
+                f"give the pools different KV dtypes ({_name(self._kv_dtype(self.prefill))} and "
+                f"{_name(self._kv_dtype(self.decode))}); the decode pool takes the prefill pool's KV cache as "
+                f"it is, so in mode 'disaggregated' they must agree")
         return self
+
+    def _pool_dtype(self, pool: _Pool) -> str:
+        return pool.dtype or self.engine.dtype
+
+    def _kv_dtype(self, pool: _Pool) -> torch.dtype:
+        """The pool's KV cache dtype: its compute dtype (``auto`` resolved for the device, as replicas get it)."""
+        dtype = self._pool_dtype(pool)
+        return parse_dtype(fast_dtype(self.engine.device) if dtype == AUTO_DTYPE else dtype)
+
+    def _dtype_source(self, name: str, pool: _Pool) -> str:
+        field = f"{name}.dtype" if pool.dtype is not None else f"engine.dtype (for {name})"
+        return f"{field}={self._pool_dtype(pool)!r}"
 
     # ---- construction ----
     @classmethod
@@ -240,7 +265,8 @@ class ClusterConfig(_Section):
 
     def _engine(self, pool: _Pool) -> EngineConfig:
         e = self.engine
-        return EngineConfig(device=e.device, dtype=e.dtype, block_size=e.block_size, num_blocks=pool.num_blocks,
+        return EngineConfig(device=e.device, dtype=self._pool_dtype(pool), quantization=e.quantization,
+                            block_size=e.block_size, num_blocks=pool.num_blocks,
                             max_num_seqs=pool.max_num_seqs, max_model_len=self.limits.max_model_len,
                             enable_prefix_cache=e.enable_prefix_cache,
                             num_threads=pool.num_threads or e.num_threads,
@@ -315,6 +341,10 @@ class ClusterConfig(_Section):
         if not self.disaggregated:
             data.pop("prefill")
         return data
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def format_errors(e: ValidationError, source: str) -> str:
