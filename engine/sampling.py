@@ -1,6 +1,7 @@
 """Sampling parameters and the sampler.
 
-Owns: `SamplingParams` (what a request asks for) and `sample()` (logits → token ids + log-probs).
+Owns: `SamplingParams` (what a request asks for), `SamplingDefaults` (what a model asks for when the
+request does not) and `sample()` (logits → token ids + log-probs).
 
 Invariants: greedy (``temperature == 0``) is an argmax and ignores top-k/top-p/seed; a request
 with a ``seed`` draws from its own ``torch.Generator`` so its text does not depend on the batch it
@@ -46,6 +47,22 @@ class SamplingParams:
     def is_stop(self, token_id: int, eos_ids: Sequence[int]) -> bool:
         """Whether ``token_id`` ends the sequence: a stop id, or EOS unless ``ignore_eos``."""
         return token_id in self.stop_token_ids or (not self.ignore_eos and token_id in eos_ids)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """A model's own sampling settings (its ``generation_config.json``), for requests that set none.
+
+    None: the model says nothing, and the API's default applies.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        SamplingParams(temperature=0.0 if self.temperature is None else self.temperature,  # raises if out of range
+                       top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k is None else self.top_k)
 
 
 @dataclass

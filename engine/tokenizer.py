@@ -2,15 +2,20 @@
 
 Owns: `Tokenizer`, a thin typed wrapper over a ``tokenizers.Tokenizer`` (``tokenizer.json``) plus the
 parts of ``tokenizer_config.json`` / ``generation_config.json`` that serving needs: the chat template,
-the bos/eos/pad tokens and the ids that end a generation.
+the bos/eos/pad tokens, the ids that end a generation and the model's sampling defaults.
 
 Invariants:
 - `encode` / `decode` / `apply_chat_template` give what ``transformers.AutoTokenizer`` gives on the
   same folder (``add_special_tokens=False``, ``clean_up_tokenization_spaces=False``); the template is
   rendered in the same sandboxed Jinja environment transformers uses.
+- `encode_prompt` (a completion prompt) adds what the tokenizer's own post-processor adds, as
+  ``tokenizer(text)`` does (BOS for Llama- and Mistral-style tokenizers, nothing for SmolLM2's), but
+  never a second BOS when the text already starts with the BOS token; `encode_chat` adds nothing:
+  the chat template decides.
 - A message's ``content`` may be a string or a list of ``{"type": "text", "text": ...}`` parts; parts
   are joined (no separator) before rendering, so templates only ever see strings.
-- `eos_token_ids` is never empty for a folder that names an eos token, and has no duplicates.
+- `eos_token_ids` is the tokenizer's eos token, then `GenerationConfig`'s ids (``config.json``'s and
+  ``generation_config.json``'s ``eos_token_id``); never empty for a folder that names one, no duplicates.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import ModelLoadError
+from engine.generation_config import GenerationConfig, read_json_object
+from engine.sampling import SamplingDefaults
 
 Message = Mapping[str, Any]
 
@@ -74,9 +81,11 @@ class Tokenizer:
     """Encode, decode and chat-format text for one model; build with `Tokenizer.from_dir`."""
 
     def __init__(self, tokenizer: HFTokenizer, config: Mapping[str, Any],
-                 generation_eos: Sequence[int] = (), source: str = "<memory>") -> None:
+                 generation_eos: Sequence[int] = (), source: str = "<memory>",
+                 sampling: SamplingDefaults | None = None) -> None:
         self._tok = tokenizer
         self._source = source
+        self.sampling_defaults = sampling if sampling is not None else SamplingDefaults()
         self.chat_template: str | None = config.get("chat_template") or None
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
@@ -96,22 +105,9 @@ class Tokenizer:
             tok = HFTokenizer.from_file(str(tok_file))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise ModelLoadError(f"{tok_file}: cannot load tokenizer: {e}") from None
-        config = cls._read_json(folder / "tokenizer_config.json")
-        gen_eos = cls._read_json(folder / "generation_config.json").get("eos_token_id")
-        eos_ids = gen_eos if isinstance(gen_eos, list) else ([] if gen_eos is None else [gen_eos])
-        return cls(tok, config, [int(i) for i in eos_ids], source=str(folder))
-
-    @staticmethod
-    def _read_json(path: Path) -> dict[str, Any]:
-        if not path.is_file():
-            return {}
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{path}: not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ModelLoadError(f"{path}: expected a JSON object")
-        return data
+        config = read_json_object(folder / "tokenizer_config.json")
+        generation = GenerationConfig.from_dir(folder)
+        return cls(tok, config, generation.eos_token_ids, source=str(folder), sampling=generation.sampling)
 
     # ---- vocabulary ----
     @cached_property
@@ -141,6 +137,14 @@ class Tokenizer:
     # ---- text ----
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a completion prompt: the post-processor's special tokens added, BOS at most once."""
+        ids = self.encode(text, add_special_tokens=True)
+        bos = self.bos_token_id
+        if bos is not None and self.bos_token and text.startswith(self.bos_token) and ids[:2] == [bos, bos]:
+            return ids[1:]  # the text's own BOS, and the one the post-processor put before it
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))

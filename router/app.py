@@ -172,7 +172,7 @@ class Router:
                    ) -> Response:
         arrival_mono = time.perf_counter()
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
-                                self._codec.eos_token_ids, fmt.logprobs)
+                                self._codec.eos_token_ids, fmt.logprobs, self._codec.sampling_defaults)
         inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
                               stop_strings=req.stop_strings, arrival_mono=arrival_mono)
         deltas = self._generation.stream(inp)

@@ -1,13 +1,16 @@
 """Text ↔ token ids for the router: the only model artefact a router replica loads.
 
-Owns: the `TextCodec` protocol the router programs against (encode, chat template, per-token text
-for logprobs, a fresh incremental detokenizer per request) and `EngineTextCodec`, its
-implementation over `engine.tokenizer.Tokenizer` + `engine.detokenizer.IncrementalDetokenizer`.
+Owns: the `TextCodec` protocol the router programs against (a completion prompt's ids, chat
+template, per-token text for logprobs, a fresh incremental detokenizer per request) and
+`EngineTextCodec`, its implementation over `engine.tokenizer.Tokenizer` +
+`engine.detokenizer.IncrementalDetokenizer`.
 Tests bring a fake as the `router.app.Router`'s ``codec_factory``.
 
 Invariants: a codec is read-only after construction and shared by every request of a replica;
-detokenizers are per request; EOS ids are the tokenizer's (``eos_token`` plus the generation
-config's), used as stop token ids unless the request sets ``ignore_eos``.
+detokenizers are per request; EOS ids are the tokenizer's (``eos_token`` plus ``config.json``'s and
+``generation_config.json``'s ``eos_token_id``), used as stop token ids unless the request sets
+``ignore_eos``; the model's sampling defaults (its ``generation_config.json``) fill what a request
+leaves unset.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from engine.sampling import SamplingDefaults
 from router.config import RouterConfig
 
 
@@ -30,12 +34,15 @@ class TextCodec(Protocol):
     def eos_token_ids(self) -> tuple[int, ...]: ...
 
     @property
+    def sampling_defaults(self) -> SamplingDefaults: ...
+
+    @property
     def vocab_size(self) -> int: ...
 
     @property
     def max_model_len(self) -> int | None: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode_prompt(self, text: str) -> list[int]: ...
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
 
@@ -60,6 +67,10 @@ class EngineTextCodec:
         return self._eos
 
     @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        return self._tok.sampling_defaults
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.vocab_size
 
@@ -67,8 +78,9 @@ class EngineTextCodec:
     def max_model_len(self) -> int | None:
         return self._max_len
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text)
+    def encode_prompt(self, text: str) -> list[int]:
+        """What the tokenizer's post-processor adds (BOS for Llama-style tokenizers) included, BOS once."""
+        return self._tok.encode_prompt(text)
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Raises ValueError for conversations the template refuses (its ``raise_exception``)."""

@@ -1,17 +1,22 @@
 """From a validated OpenAI request to what the pools take: prompt token ids and sampling params.
 
 Owns: `completion_prompt`, `chat_prompt` (the chat template is applied here, in the router) and
-`sampling_for`, which enforces the context bound.
+`sampling_for`, which enforces the context bound and fills the sampling settings a request left unset
+from the model's generation config.
 
 Invariants: a prompt is never empty and fits ``max_model_len`` with room for at least one token;
 ``prompt + max_tokens <= max_model_len`` when the client set ``max_tokens`` (otherwise the
 request gets the rest of the context, capped by the configured default); token ids sent by the
-client are inside the vocabulary. Violations are 400s with OpenAI's wording and codes.
+client are inside the vocabulary. A text prompt gets what the tokenizer's post-processor adds (BOS
+for Llama-style tokenizers, never doubled), token ids are taken as given, and a chat gets only
+what its template writes. Violations are 400s with OpenAI's wording and codes.
 """
 
 from __future__ import annotations
 
-from engine.sampling import SamplingParams
+from typing import Any
+
+from engine.sampling import SamplingDefaults, SamplingParams
 from router.codec import TextCodec
 from router.errors import bad_request, context_too_long
 from router.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
@@ -20,9 +25,9 @@ from router.protocol import ChatCompletionRequest, CompletionRequest, Generation
 def completion_prompt(req: CompletionRequest, codec: TextCodec) -> tuple[int, ...]:
     prompt = req.prompt
     if isinstance(prompt, str):
-        ids = codec.encode(prompt)
+        ids = codec.encode_prompt(prompt)
     elif isinstance(prompt[0], str):
-        ids = codec.encode(str(prompt[0]))
+        ids = codec.encode_prompt(str(prompt[0]))
     else:
         ids = [int(t) for t in prompt]
         bad = next((t for t in ids if t >= codec.vocab_size), None)
@@ -51,7 +56,9 @@ def sampling_for(
     default_max_tokens: int | None,
     eos_token_ids: tuple[int, ...],
     logprobs: bool,
+    defaults: SamplingDefaults | None = None,
 ) -> SamplingParams:
+    """``defaults`` (the model's generation config) fill temperature / top_p / top_k the request left unset."""
     room = max_model_len - prompt_len
     if room < 1:
         raise context_too_long(
@@ -71,9 +78,9 @@ def sampling_for(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
+            temperature=_setting(req, "temperature", defaults),
+            top_p=_setting(req, "top_p", defaults),
+            top_k=_setting(req, "top_k", defaults),
             seed=req.seed,
             stop_token_ids=() if req.ignore_eos else eos_token_ids,
             ignore_eos=req.ignore_eos,
@@ -82,3 +89,11 @@ def sampling_for(
     except ValueError as e:
         raise bad_request(str(e)) from None
 
+
+
+def _setting(req: GenerationRequest, name: str, defaults: SamplingDefaults | None) -> Any:
+    """The request's value when it sent one, else the model's default, else the API's default."""
+    model_value = None if defaults is None else getattr(defaults, name)
+    if name in req.model_fields_set or model_value is None:
+        return getattr(req, name)
+    return model_value

@@ -9,6 +9,7 @@ factual question.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -68,12 +69,13 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{LAYER[kind]}.{suffix}"
 
 
-def tiny_model(family: str, tied: bool) -> transformers.PreTrainedModel:
+def tiny_model(family: str, tied: bool, **overrides: Any) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     kw: dict[str, Any] = dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, vocab_size=len(TOKENS), max_position_embeddings=256,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
     model: transformers.PreTrainedModel
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
@@ -85,8 +87,16 @@ def tiny_model(family: str, tied: bool) -> transformers.PreTrainedModel:
     return model.float().eval()
 
 
+def quantized(data: np.ndarray, qtype: QT) -> np.ndarray:
+    """gguf's own quantizer; for a type gguf-py cannot write, zero bytes of the right size."""
+    try:
+        return gguf.quants.quantize(data, qtype)
+    except NotImplementedError:
+        return np.zeros(gguf.quants.quant_shape_to_byte_shape(data.shape, qtype), dtype=np.uint8)
+
+
 def write_gguf(path: Path, model: transformers.PreTrainedModel, qtype: QT, arch: str = "llama",
-               add_bos: bool = False) -> None:
+               add_bos: bool = False, encode: Callable[[np.ndarray, QT], np.ndarray] = quantized) -> None:
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -116,11 +126,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, qtype: QT, arch:
             t = llama_cpp_permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
         data = t.numpy()
         tq = qtype if data.ndim == 2 else QT.F32  # llama.cpp keeps 1-D tensors in F32
-        try:
-            q = gguf.quants.quantize(data, tq)
-        except NotImplementedError:  # a type gguf-py cannot write: zero bytes of the right size
-            q = np.zeros(gguf.quants.quant_shape_to_byte_shape(data.shape, tq), dtype=np.uint8)
-        w.add_tensor(gguf_name(name), q, raw_dtype=tq)
+        w.add_tensor(gguf_name(name), encode(data, tq), raw_dtype=tq)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -158,6 +164,46 @@ def test_tensors_match_source(tmp_path: Path, family: str, tied: bool, qtype: QT
     assert shape == (family, 2, 4, 2, 16)
     assert cfg.tie_word_embeddings is tied and cfg.attention_bias is (family == "qwen2")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+#: Byte offsets of each K-quant block's fp16 super-block scales (d, dmin), as gguf-py reads them.
+K_SCALES = {QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+
+
+def random_k_quant(data: np.ndarray, qtype: QT) -> np.ndarray:
+    """Random K-quant blocks (gguf-py cannot write them) whose fp16 scales are small and finite."""
+    if qtype not in K_SCALES:
+        return quantized(data, qtype)
+    rng = np.random.default_rng(data.size)
+    raw = rng.integers(0, 256, size=gguf.quants.quant_shape_to_byte_shape(data.shape, qtype), dtype=np.uint8)
+    blocks = raw.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])
+    for offset in K_SCALES[qtype]:
+        scales = rng.uniform(1e-3, 1e-2, len(blocks)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", sorted(K_SCALES))
+def test_k_quants_convert_to_bf16(tmp_path: Path, qtype: QT) -> None:
+    """Each K-quant tensor is gguf's own dequantization rounded once to bf16 (q/k un-permuted); the
+    rest (1-D, F32 in llama.cpp's files) stays fp32."""
+    model = tiny_model("llama", False, hidden_size=256, intermediate_size=256, num_hidden_layers=1)
+    write_gguf(tmp_path / "m.gguf", model, qtype, encode=random_k_quant)
+    out = convert_gguf_to_hf(tmp_path / "m.gguf", tmp_path / "hf", progress=False)
+    ours = load_file(out / "model.safetensors")
+    cfg = model.config
+    for name, t in model.state_dict().items():
+        if t.ndim == 1:
+            assert ours[name].dtype == torch.float32 and torch.equal(ours[name], t), name
+            continue
+        written = torch.from_numpy(gguf.quants.dequantize(random_k_quant(t.numpy(), qtype), qtype).copy())
+        got = ours[name]
+        if ".q_proj." in name or ".k_proj." in name:  # llama.cpp's row order, to compare with what was written
+            kv_heads = cfg.num_key_value_heads if ".k_proj." in name else None
+            got = llama_cpp_permute(got, cfg.num_attention_heads, kv_heads)
+        assert got.dtype == torch.bfloat16 and written.abs().amax() > 0, name
+        assert torch.equal(got, written.to(torch.bfloat16)), name
+    assert ModelConfig.from_dir(out).hidden_size == 256
 
 
 @pytest.mark.parametrize(("family", "tied"), [("llama", True), ("llama", False), ("qwen2", False)])

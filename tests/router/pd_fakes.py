@@ -26,6 +26,7 @@ from pathlib import Path
 from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
 from engine.errors import QueueFullError
 from engine.load_report import LoadReport
+from engine.sampling import SamplingDefaults
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from prefill_worker.types import PrefillRequest, PrefillResult, PrefillTimings
@@ -61,11 +62,15 @@ class FakeDetokenizer:
 
 class FakeCodec:
     eos_token_ids = (EOS,)
+    sampling_defaults = SamplingDefaults()
     vocab_size = 256
     max_model_len = None
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) if ord(c) < 256 else ord("?") for c in text]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if any(m["role"] == "assistant" and m["content"] == "RAISE" for m in messages):

@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine.errors import ContextLengthError, QueueFullError
+from engine.sampling import SamplingDefaults
 from router.errors import APIError, from_exception, from_validation_errors, queue_full
 from router.prompt import chat_prompt, completion_prompt, sampling_for
 from router.protocol import ChatCompletionRequest, CompletionRequest
@@ -87,6 +88,18 @@ def test_context_bounds() -> None:
         with pytest.raises(APIError) as e:
             sampling_for(comp(**kw), plen, 100, None, (), False)
         assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+
+
+def test_model_sampling_defaults_fill_only_what_the_request_left_unset() -> None:
+    model = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20)
+    s = sampling_for(comp(), 10, 100, None, (0,), False, model)
+    assert (s.temperature, s.top_p, s.top_k) == (0.6, 0.9, 20)
+    s = sampling_for(comp(temperature=1.0, top_k=0), 10, 100, None, (0,), False, model)  # sent, even as the API default
+    assert (s.temperature, s.top_p, s.top_k) == (1.0, 0.9, 0)
+    s = sampling_for(comp(temperature=0), 10, 100, None, (0,), False, SamplingDefaults(top_p=0.5))
+    assert s.greedy and s.top_p == 0.5 and s.top_k == 0
+    s = sampling_for(comp(), 10, 100, None, (0,), False, SamplingDefaults())
+    assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)  # the model says nothing: the API's defaults
 
 
 def test_exception_mapping() -> None:
