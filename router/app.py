@@ -54,6 +54,7 @@ from router.errors import (
     unauthorized,
     unavailable,
 )
+from router.fields import account
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_format import DONE, ChatFormatter, CompletionFormatter, Formatter, sse
@@ -142,6 +143,7 @@ class Router:
     async def _parse(self, request: Request, model: type[R]) -> R:
         self._authorize(request)
         payload = await read_json(request, self._config.max_body_bytes)
+        account(payload, frozenset(model.model_fields))
         try:
             req = model.model_validate(payload)
         except ValidationError as e:
@@ -172,9 +174,10 @@ class Router:
                    ) -> Response:
         arrival_mono = time.perf_counter()
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
-                                self._codec.eos_token_ids, fmt.logprobs)
+                                self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size)
         inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
-                              stop_strings=req.stop_strings, arrival_mono=arrival_mono)
+                              stop_strings=req.stop_strings, include_stop_str=req.include_stop_str_in_output,
+                              skip_special_tokens=req.skip_special_tokens, arrival_mono=arrival_mono)
         deltas = self._generation.stream(inp)
         try:
             first = await deltas.__anext__()

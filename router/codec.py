@@ -41,7 +41,7 @@ class TextCodec(Protocol):
 
     def token_text(self, token_id: int) -> str: ...
 
-    def detokenizer(self) -> Detokenizer: ...
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...
 
 
 class EngineTextCodec:
@@ -82,10 +82,10 @@ class EngineTextCodec:
     def token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
-    def detokenizer(self) -> Detokenizer:
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
         from engine.detokenizer import IncrementalDetokenizer
 
-        return IncrementalDetokenizer(self._tok)
+        return IncrementalDetokenizer(self._tok, skip_special_tokens)
 
 
 def load_codec(config: RouterConfig) -> TextCodec:

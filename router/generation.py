@@ -19,7 +19,8 @@ with 429 before the prefill, so nothing it admits is later dropped for load.
 
 Invariants: exactly one Delta carries a finish reason, and it is the last; ``completion_tokens``
 counts every generated token up to and including the one that finished the request (token 0
-included, EOS included), as OpenAI and vLLM count; EOS text is never emitted; stopping early
+included, EOS included), as OpenAI and vLLM count; the text of a stop token (EOS or a requested
+stop id) is emitted only with ``include_stop_str_in_output``; stopping early
 (stop string, our own ``max_tokens`` bound, consumer gone) cancels the decode stream.
 """
 
@@ -52,6 +53,8 @@ class GenerationInput:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     stop_strings: tuple[str, ...] = ()
+    include_stop_str: bool = False  # the matched stop string, or the stop token's text, ends the text
+    skip_special_tokens: bool = True
     arrival_time: float = field(default_factory=time.time)  # wall clock, for worker queue metrics
     arrival_mono: float = field(default_factory=time.perf_counter)  # for our latency metrics
 
@@ -84,9 +87,11 @@ class Generation:
 
     async def stream(self, inp: GenerationInput) -> AsyncGenerator[Delta, None]:
         st = _State()
-        eos = frozenset(()) if inp.sampling.ignore_eos else frozenset(self._codec.eos_token_ids)
-        detok = self._codec.detokenizer()
-        stops = StopMatcher(inp.stop_strings)
+        stop_ids = frozenset(inp.sampling.stop_token_ids)
+        if not inp.sampling.ignore_eos:
+            stop_ids |= frozenset(self._codec.eos_token_ids)
+        detok = self._codec.detokenizer(inp.skip_special_tokens)
+        stops = StopMatcher(inp.stop_strings, inp.include_stop_str)
         self._admission.enter()  # 429 now, before any token, if this replica is at its bound
         unclaimed = None  # a handle no decode replica has answered for yet: released if we end here
         try:
@@ -98,7 +103,7 @@ class Generation:
                     sampling=inp.sampling, arrival_time=inp.arrival_time))
                 self._metrics.queue.observe(result.timings.queue_s)
                 self._metrics.prefill.observe(result.timings.prefill_s)
-                delta = self._advance(st, inp, detok, stops, eos, (result.token_id,), (result.logprob,),
+                delta = self._advance(st, inp, detok, stops, stop_ids, (result.token_id,), (result.logprob,),
                                       result.finish_reason if result.finished else None)
                 yield self._sent(st, delta)
                 if st.finish_reason is not None:
@@ -120,7 +125,7 @@ class Generation:
                                 break
                             raise StreamError(ev.error or "the decode pool failed this request")
                         self._record_timings(ev.timings)
-                        delta = self._advance(st, inp, detok, stops, eos, ev.token_ids,
+                        delta = self._advance(st, inp, detok, stops, stop_ids, ev.token_ids,
                                               _logprobs(ev), ev.finish_reason)
                         yield self._sent(st, delta)
                         if st.finish_reason is not None:
@@ -161,7 +166,7 @@ class Generation:
         inp: GenerationInput,
         detok: Detokenizer,
         stops: StopMatcher,
-        eos: frozenset[int],
+        stop_ids: frozenset[int],
         token_ids: Sequence[int],
         logprobs: Sequence[float | None],
         finish_reason: str | None,
@@ -174,12 +179,12 @@ class Generation:
             st.num_tokens += 1
             kept_ids.append(tid)
             kept_lps.append(logprobs[i] if i < len(logprobs) else None)
-            piece = "" if tid in eos else detok.push(tid)
+            piece = detok.push(tid) if inp.include_stop_str or tid not in stop_ids else ""
             text.append(stops.feed(piece))
             if stops.finished:
                 st.finish_reason = "stop"
                 break
-            if tid in eos:
+            if tid in stop_ids:
                 st.finish_reason = "stop"
                 break
             if st.num_tokens >= inp.sampling.max_tokens:

@@ -11,6 +11,8 @@ client are inside the vocabulary. Violations are 400s with OpenAI's wording and 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from engine.sampling import SamplingParams
 from router.codec import TextCodec
 from router.errors import bad_request, context_too_long
@@ -25,10 +27,7 @@ def completion_prompt(req: CompletionRequest, codec: TextCodec) -> tuple[int, ..
         ids = codec.encode(str(prompt[0]))
     else:
         ids = [int(t) for t in prompt]
-        bad = next((t for t in ids if t >= codec.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary (size {codec.vocab_size})",
-                              param="prompt")
+        _in_vocab(ids, codec.vocab_size, "prompt")
     if not ids:
         raise bad_request("the prompt encodes to no tokens", param="prompt")
     return tuple(ids)
@@ -44,6 +43,12 @@ def chat_prompt(req: ChatCompletionRequest, codec: TextCodec) -> tuple[int, ...]
     return tuple(ids)
 
 
+def _in_vocab(ids: Iterable[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab_size})", param=param)
+
+
 def sampling_for(
     req: GenerationRequest,
     prompt_len: int,
@@ -51,7 +56,10 @@ def sampling_for(
     default_max_tokens: int | None,
     eos_token_ids: tuple[int, ...],
     logprobs: bool,
+    vocab_size: int,
 ) -> SamplingParams:
+    """The request's sampling settings; EOS joins the stop ids unless ``ignore_eos`` (vLLM: the
+    requested ``stop_token_ids`` stop the sequence either way)."""
     room = max_model_len - prompt_len
     if room < 1:
         raise context_too_long(
@@ -68,6 +76,8 @@ def sampling_for(
             f"completion). Please reduce the length of the prompt or completion.")
     else:
         max_tokens = requested
+    _in_vocab(req.stop_token_ids or (), vocab_size, "stop_token_ids")
+    stop_ids = tuple(dict.fromkeys([*(req.stop_token_ids or ()), *(() if req.ignore_eos else eos_token_ids)]))
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -75,7 +85,7 @@ def sampling_for(
             top_p=req.top_p,
             top_k=req.top_k,
             seed=req.seed,
-            stop_token_ids=() if req.ignore_eos else eos_token_ids,
+            stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
         )

@@ -75,7 +75,7 @@ class FakeCodec:
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 
-    def detokenizer(self) -> FakeDetokenizer:
+    def detokenizer(self, skip_special_tokens: bool = True) -> FakeDetokenizer:
         return FakeDetokenizer()
 
 

@@ -30,9 +30,9 @@ def test_prompt_forms() -> None:
 
 @pytest.mark.parametrize("bad", [
     {"prompt": ""}, {"prompt": []}, {"prompt": ["a", "b"]}, {"prompt": [-1]}, {"prompt": 5},
-    {"n": 2}, {"max_tokens": 0}, {"max_tokens": -3}, {"max_tokens": "ten"}, {"temperature": 3},
-    {"top_p": 0}, {"stop": ["a", "b", "c", "d", "e"]}, {"stream": "maybe"}, {"echo": True},
-    {"model": None}, {"logprobs": 9},
+    {"max_tokens": 0}, {"max_tokens": -3}, {"max_tokens": "ten"}, {"temperature": 3},
+    {"top_p": 0}, {"stop": ["a", "b", "c", "d", "e"]}, {"stream": "maybe"},
+    {"model": None}, {"logprobs": 9}, {"logprobs": 2}, {"stop_token_ids": [-1]},
 ])
 def test_invalid_completion_requests(bad: dict[str, object]) -> None:
     with pytest.raises(ValidationError) as e:
@@ -49,7 +49,7 @@ def test_missing_prompt_names_the_field() -> None:
 
 
 def test_extra_fields_ignored_and_defaults() -> None:
-    r = comp(frequency_penalty=0.5, whatever={"x": 1}, stop="END", max_completion_tokens=7, max_tokens=3)
+    r = comp(whatever={"x": 1}, stop="END", max_completion_tokens=7, max_tokens=3)
     assert r.stop_strings == ("END",) and r.requested_max_tokens == 7 and not r.include_usage
     assert comp(stream_options={"include_usage": True}).include_usage
 
@@ -78,15 +78,25 @@ def test_template_errors_are_400() -> None:
 
 def test_context_bounds() -> None:
     s = sampling_for(comp(), prompt_len=10, max_model_len=100, default_max_tokens=None,
-                     eos_token_ids=(0,), logprobs=False)
+                     eos_token_ids=(0,), logprobs=False, vocab_size=256)
     assert s.max_tokens == 90 and s.stop_token_ids == (0,) and s.temperature == 1.0
-    s = sampling_for(comp(temperature=0, ignore_eos=True), 10, 100, 16, (0,), True)
+    s = sampling_for(comp(temperature=0, ignore_eos=True), 10, 100, 16, (0,), True, 256)
     assert s.max_tokens == 16 and s.stop_token_ids == () and s.logprobs and s.greedy
-    assert sampling_for(comp(max_tokens=90), 10, 100, None, (), False).max_tokens == 90
+    assert sampling_for(comp(max_tokens=90), 10, 100, None, (), False, 256).max_tokens == 90
     for kw, plen in (({"max_tokens": 91}, 10), ({}, 100), ({}, 150)):
         with pytest.raises(APIError) as e:
-            sampling_for(comp(**kw), plen, 100, None, (), False)
+            sampling_for(comp(**kw), plen, 100, None, (), False, 256)
         assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+
+
+def test_stop_token_ids_join_eos_unless_ignored() -> None:
+    s = sampling_for(comp(stop_token_ids=[7, 0]), 10, 100, None, (0,), False, 256)
+    assert s.stop_token_ids == (7, 0) and not s.ignore_eos
+    s = sampling_for(comp(stop_token_ids=[7], ignore_eos=True), 10, 100, None, (0,), False, 256)
+    assert s.stop_token_ids == (7,) and s.ignore_eos
+    with pytest.raises(APIError) as e:
+        sampling_for(comp(stop_token_ids=[256]), 10, 100, None, (0,), False, 256)
+    assert e.value.param == "stop_token_ids"
 
 
 def test_exception_mapping() -> None:

@@ -122,7 +122,7 @@ def test_stop_strings_never_emitted(client: openai.OpenAI) -> None:
 
 
 def test_eos_and_logprobs(client: openai.OpenAI) -> None:
-    r = client.completions.create(model=MODEL, prompt="EOSAT3", max_tokens=30, logprobs=1)
+    r = client.completions.create(model=MODEL, prompt="EOSAT3", max_tokens=30, logprobs=0)
     assert r.choices[0].text == "45" and r.choices[0].finish_reason == "stop"
     assert r.usage is not None and r.usage.completion_tokens == 3
     assert r.choices[0].logprobs is not None and r.choices[0].logprobs.token_logprobs == [-0.25] * 3
@@ -130,6 +130,34 @@ def test_eos_and_logprobs(client: openai.OpenAI) -> None:
     c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, logprobs=True)
     assert c.choices[0].logprobs is not None and c.choices[0].logprobs.content is not None
     assert [t.logprob for t in c.choices[0].logprobs.content] == [-0.25] * 3
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("n", 2), ("response_format", {"type": "json_object"}), ("tool_choice", "required"),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("use_beam_search", True), ("top_logprobs", 3),
+])
+def test_refused_fields_are_400_naming_them(client: openai.OpenAI, field: str, value: Any) -> None:
+    msgs: Any = [{"role": "user", "content": "x"}]
+    kw: dict[str, Any] = {field: value} if field != "use_beam_search" else {"extra_body": {field: value}}
+    if field == "top_logprobs":
+        kw["logprobs"] = True
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, **kw)
+    body: Any = e.value.body
+    assert e.value.status_code == 400 and body["param"] == field and field in body["message"]
+
+
+def test_vllm_extensions_and_metadata(client: openai.OpenAI) -> None:
+    extra = {"stop_token_ids": [ord("g")], "include_stop_str_in_output": True, "skip_special_tokens": True,
+             "top_k": 5, "ignore_eos": True, "some_vendor_knob": 1}
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=30, user="u", extra_body=extra)
+    assert r.choices[0].text == "defg" and r.choices[0].finish_reason == "stop"
+    msgs: Any = [{"role": "user", "content": "x"}]
+    c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, n=1, store=False,
+                                       metadata={"k": "v"}, tool_choice="none", parallel_tool_calls=True,
+                                       response_format={"type": "text"}, safety_identifier="s")
+    assert c.choices[0].finish_reason == "length"
 
 
 def test_raw_sse_ends_with_done(base: str) -> None:

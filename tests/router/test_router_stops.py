@@ -57,3 +57,8 @@ def test_every_split_of_the_text_gives_the_same_answer() -> None:
     for i in range(len(text) + 1):
         assert run(["<stop>", "zzz"], [text[:i], text[i:]]) == ("one two", "<stop>")
     assert run(["<stop>"], list(text)) == ("one two", "<stop>")
+
+
+def test_include_stop_returns_the_stop_string_and_nothing_after() -> None:
+    m = StopMatcher(["STOP", "TO"], include_stop=True)
+    assert m.feed("heS") + m.feed("TOP tail") + m.flush() == "heSTOP" and m.matched == "STOP"
