@@ -166,7 +166,9 @@ class DecodeWorker:
             raise ValueError(f"request id {req.request_id!r} is already streaming")
         if self._queued_beyond_free_slots() >= self.config.max_queue:
             raise QueueFullError(f"decode queue is full ({self.config.max_queue} waiting)", 1.0)
-        stream = Stream(req=req, sampler=SamplerState.new(req.sampling, start_step=0 if self.colocated else 1))
+        sampled = () if req.first_token_id is None else (req.first_token_id,)  # token 0, from the prefill
+        sampler = SamplerState.new(req.sampling, req.prompt_token_ids, sampled, self.eos_ids)
+        stream = Stream(req=req, sampler=sampler)
         if not self.colocated:
             assert req.first_token_id is not None
             stream.generated.append(req.first_token_id)

@@ -30,7 +30,7 @@ def generate(
     """Generate up to ``params.max_tokens`` tokens after ``prompt_ids``."""
     eos = tuple(engine.model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     engine.check_length(len(prompt_ids), params.max_tokens)
-    state = SamplerState.new(params)
+    state = SamplerState.new(params, prompt_ids, eos_ids=eos)
     total = len(prompt_ids) + params.max_tokens
     blocks = engine.pool.allocate(engine.blocks_for(total))
     try:

@@ -214,7 +214,7 @@ class PrefillWorker:
 
     def _finish(self, job: _Job, logits_row: object) -> None:
         req = job.req
-        state = SamplerState.new(req.sampling)
+        state = SamplerState.new(req.sampling, req.prompt_token_ids, eos_ids=self.eos_ids)
         ids, lps = sample(logits_row, [state])  # type: ignore[arg-type]
         token, logprob = ids[0], lps[0]
         pool = self.engine.pool

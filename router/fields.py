@@ -21,9 +21,12 @@ Served fields (both endpoints unless marked):
 | model, messages (chat), prompt (completions) | one prompt per request |
 | max_tokens, max_completion_tokens (chat) | the latter wins when both are set |
 | temperature, top_p, seed, stop | OpenAI's ranges; at most 4 stop strings |
+| frequency_penalty, presence_penalty | -2..2, over the output tokens (OpenAI's formula) |
+| logit_bias | token id -> -100..100, added to the logits before the penalties and sampling |
 | logprobs (chat), logprobs 0 (completions) | the chosen token's, from the unmodified distribution |
 | stream, stream_options.include_usage | (include_obfuscation: wire padding, ignored) |
-| top_k, ignore_eos, stop_token_ids | vLLM's extensions, as vLLM defines them |
+| top_k, min_p, repetition_penalty, min_tokens | vLLM's extensions, as vLLM defines them |
+| ignore_eos, stop_token_ids | vLLM's extensions, as vLLM defines them |
 | skip_special_tokens, include_stop_str_in_output | vLLM's extensions, as vLLM defines them |
 """
 
@@ -53,9 +56,6 @@ class Refused:
 REFUSED: dict[str, Refused] = {
     # OpenAI, both endpoints
     "n": Refused("only one choice per request is generated", (1,)),
-    "frequency_penalty": Refused("penalties are not supported yet", (0.0, 0)),
-    "presence_penalty": Refused("penalties are not supported yet", (0.0, 0)),
-    "logit_bias": Refused("logit_bias is not supported yet", ({},)),
     # OpenAI, completions
     "best_of": Refused("best_of needs n > 1 choices, which are not generated", (1,)),
     "echo": Refused("echoing the prompt (and its log-probs) is not supported", (False,)),
@@ -75,9 +75,6 @@ REFUSED: dict[str, Refused] = {
     "web_search_options": Refused("web search is not supported", ()),
     "moderation": Refused("moderation is not supported", ()),
     # vLLM's extensions that change the output
-    "min_p": Refused("min_p is not supported yet", (0.0, 0)),
-    "repetition_penalty": Refused("repetition_penalty is not supported yet", (1.0, 1)),
-    "min_tokens": Refused("min_tokens is not supported yet", (0,)),
     "use_beam_search": Refused("beam search is not supported", (False,)),
     "length_penalty": Refused("length_penalty needs beam search, which is not supported", (1.0, 1)),
     "prompt_logprobs": Refused("prompt log-probs are not supported", ()),

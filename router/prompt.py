@@ -77,6 +77,7 @@ def sampling_for(
     else:
         max_tokens = requested
     _in_vocab(req.stop_token_ids or (), vocab_size, "stop_token_ids")
+    _in_vocab(req.logit_bias or (), vocab_size, "logit_bias")
     stop_ids = tuple(dict.fromkeys([*(req.stop_token_ids or ()), *(() if req.ignore_eos else eos_token_ids)]))
     try:
         return SamplingParams(
@@ -85,6 +86,12 @@ def sampling_for(
             top_p=req.top_p,
             top_k=req.top_k,
             seed=req.seed,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=tuple(sorted((req.logit_bias or {}).items())),
+            min_tokens=req.min_tokens,
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,

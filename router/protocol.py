@@ -8,7 +8,8 @@ Invariants: the fields declared here are the ones we serve; `router.fields.accou
 every other field of the body before these models see it (refused ones at a non-default value are a
 400, the rest are dropped), so ``extra="ignore"`` drops nothing unaccounted for. A request that
 passes validation has a ``max_tokens`` that is None or >= 1, at most 4 non-empty stop strings, a
-non-empty prompt and only text content; what needs the tokenizer or the served name (token ids inside the
+non-empty prompt, only text content, ``logit_bias`` values in -100..100 and ``min_tokens`` no
+larger than ``max_tokens``; what needs the tokenizer or the served name (token ids inside the
 vocabulary, context length, model name) is checked by the app.
 """
 
@@ -25,6 +26,7 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -58,12 +60,28 @@ class GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None  # JSON keys are strings; pydantic reads them as ints
     # vLLM's extensions
     top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        for tid, bias in (v or {}).items():
+            if tid < 0:
+                raise ValueError(f"token id {tid} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias {bias} of token {tid} is outside -100..100")
+        return v
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -71,6 +89,13 @@ class GenerationRequest(BaseModel):
         if v and min(v) < 0:
             raise ValueError("token ids must be non-negative")
         return v
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self) -> GenerationRequest:
+        limit = self.requested_max_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({limit})")
+        return self
 
     @field_validator("stop")
     @classmethod

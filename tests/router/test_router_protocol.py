@@ -106,3 +106,32 @@ def test_exception_mapping() -> None:
     assert from_exception(ContextLengthError("too long")).code == "context_length_exceeded"
     err = from_exception(RuntimeError("secret detail"))
     assert err.status == 500 and "secret" not in err.message
+
+
+@pytest.mark.parametrize(("bad", "param"), [
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias.x.[key]"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"), ({"min_tokens": -1}, "min_tokens"),
+])
+def test_sampling_fields_are_validated(bad: dict[str, object], param: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        comp(**bad)
+    assert from_validation_errors(e.value.errors()).param == param
+
+
+def test_min_tokens_above_max_tokens_is_refused() -> None:
+    with pytest.raises(ValidationError):
+        comp(min_tokens=5, max_tokens=4)
+    assert comp(min_tokens=4, max_tokens=4).min_tokens == 4
+
+
+def test_sampling_fields_reach_the_params() -> None:
+    req = comp(logit_bias={"7": -100, "3": 5.5}, presence_penalty=0.5, frequency_penalty=-0.25,
+               repetition_penalty=1.2, min_p=0.1, min_tokens=2, top_k=4)
+    s = sampling_for(req, 10, 100, None, (0,), False, 256)
+    assert s.logit_bias == ((3, 5.5), (7, -100.0)) and s.min_tokens == 2 and s.top_k == 4
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -0.25, 1.2, 0.1)
+    with pytest.raises(APIError) as e:
+        sampling_for(comp(logit_bias={"256": 1}), 10, 100, None, (0,), False, 256)
+    assert e.value.param == "logit_bias"

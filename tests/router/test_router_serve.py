@@ -150,8 +150,10 @@ def test_refused_fields_are_400_naming_them(client: openai.OpenAI, field: str, v
 
 def test_vllm_extensions_and_metadata(client: openai.OpenAI) -> None:
     extra = {"stop_token_ids": [ord("g")], "include_stop_str_in_output": True, "skip_special_tokens": True,
-             "top_k": 5, "ignore_eos": True, "some_vendor_knob": 1}
-    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=30, user="u", extra_body=extra)
+             "top_k": 5, "ignore_eos": True, "some_vendor_knob": 1, "min_p": 0.1, "repetition_penalty": 1.2,
+             "min_tokens": 2}
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=30, user="u", extra_body=extra,
+                                  presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"65": 10})
     assert r.choices[0].text == "defg" and r.choices[0].finish_reason == "stop"
     msgs: Any = [{"role": "user", "content": "x"}]
     c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, n=1, store=False,
