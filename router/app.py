@@ -13,6 +13,9 @@ Readiness: ``/health`` says the process answers; ``/ready`` says to send traffic
 503 while the app's drain flag is set (`router.drain`) — the first thing a drain changes, so a load
 balancer stops sending before anything stops serving — and while either pool does not answer.
 
+Also vLLM's ``/tokenize`` and ``/detokenize`` (`router.tokenize`), through the same auth, field
+accounting and validation.
+
 Errors are raised as `router.errors.APIError` and answered by the app's exception handlers
 (`install_handlers`), so no endpoint formats one itself.
 
@@ -34,7 +37,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from ray import serve
 
 from router.admission import Admission
@@ -66,6 +69,13 @@ from router.protocol import (
     ModelCard,
     ModelList,
 )
+from router.tokenize import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    detokenize,
+    tokenize,
+)
 
 logger = logging.getLogger("pdserve.router")
 
@@ -75,6 +85,13 @@ install_handlers(app)
 _FALLBACK_MAX_MODEL_LEN = 2048
 
 R = TypeVar("R", bound=GenerationRequest)
+M = TypeVar("M", bound=BaseModel)
+
+
+def _tokenize_kind(payload: Any) -> type[TokenizeCompletionRequest | TokenizeChatRequest]:
+    """vLLM's two ``/tokenize`` bodies: chat-style when it has ``messages``."""
+    chat = isinstance(payload, dict) and "messages" in payload
+    return TokenizeChatRequest if chat else TokenizeCompletionRequest
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -140,17 +157,24 @@ class Router:
         if not ok:
             raise unauthorized()
 
-    async def _parse(self, request: Request, model: type[R]) -> R:
+    async def _validate(self, request: Request, pick: Callable[[Any], type[M]]) -> M:
+        """Auth, the body (size, JSON), every field accounted for, validation, the model name (when
+        the body names one). ``pick``: the request model for this body."""
         self._authorize(request)
         payload = await read_json(request, self._config.max_body_bytes)
+        model = pick(payload)
         account(payload, frozenset(model.model_fields))
         try:
             req = model.model_validate(payload)
         except ValidationError as e:
             raise from_validation_errors(e.errors()) from None
-        if req.model != self._config.served_model_name:
-            raise model_not_found(req.model)
+        name = getattr(req, "model", None)
+        if name is not None and name != self._config.served_model_name:
+            raise model_not_found(name)
         return req
+
+    async def _parse(self, request: Request, model: type[R]) -> R:
+        return await self._validate(request, lambda _: model)
 
     # ---- OpenAI endpoints ----
     @app.post("/v1/completions")
@@ -216,6 +240,17 @@ class Router:
             yield DONE
         finally:
             await deltas.aclose()
+
+    # ---- vLLM's tokenizer endpoints ----
+    @app.post("/tokenize")
+    async def post_tokenize(self, request: Request) -> Response:
+        req = await self._validate(request, _tokenize_kind)
+        return JSONResponse(tokenize(req, self._codec, self._max_model_len).model_dump())
+
+    @app.post("/detokenize")
+    async def post_detokenize(self, request: Request) -> Response:
+        req = await self._validate(request, lambda _: DetokenizeRequest)
+        return JSONResponse(detokenize(req, self._codec).model_dump())
 
     # ---- service endpoints ----
     @app.get("/v1/models")

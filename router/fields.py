@@ -90,8 +90,8 @@ REFUSED: dict[str, Refused] = {
     "spaces_between_special_tokens": Refused("special tokens are always decoded without added spaces",
                                              (True,)),
     "return_tokens_as_token_ids": Refused("log-prob tokens are always text", (False,)),
-    "add_special_tokens": Refused("the prompt's special tokens are fixed (none added to a completion "
-                                  "prompt, the chat template's own for chat)", ()),
+    "add_special_tokens": Refused("no special tokens are added to a prompt (a chat prompt has the "
+                                  "template's own)", (False,)),
     "add_generation_prompt": Refused("the chat template always adds the generation prompt", (True,)),
     "continue_final_message": Refused("continuing the final message is not supported", (False,)),
     "chat_template": Refused("the served model's chat template is the only one", ("",)),

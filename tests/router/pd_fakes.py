@@ -64,13 +64,20 @@ class FakeCodec:
     vocab_size = 256
     max_model_len = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) if ord(c) < 256 else ord("?") for c in text]
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if any(m["role"] == "assistant" and m["content"] == "RAISE" for m in messages):
             raise ValueError("Conversation roles must alternate")
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return self.encode(text + "<assistant>" if add_generation_prompt else text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        return [chr(t) for t in token_ids]
 
     def token_text(self, token_id: int) -> str:
         return chr(token_id)

@@ -44,3 +44,18 @@ def test_template_refusal_is_a_value_error(codec: TextCodec, monkeypatch: pytest
     monkeypatch.setattr(codec._tok, "encode_chat", refuse)
     with pytest.raises(ValueError, match="roles must alternate"):
         codec.encode_chat([{"role": "user", "content": "x"}])
+
+
+def test_tokenize_and_detokenize_with_the_real_tokenizer(codec: TextCodec) -> None:
+    from router.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize, tokenize
+
+    r = tokenize(TokenizeCompletionRequest(prompt="hello world", return_token_strs=True), codec, 2048)
+    assert r.tokens == codec.encode("hello world") and r.count == len(r.tokens) and r.max_model_len == 2048
+    assert r.token_strs == ["hello", "Ġworld"]  # the vocabulary's spelling, as vLLM returns it
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = tokenize(TokenizeChatRequest.model_validate({"messages": msgs}), codec, 2048)
+    assert chat.tokens == codec.encode_chat(msgs) and chat.token_strs is None
+    bare = tokenize(TokenizeChatRequest.model_validate({"messages": msgs, "add_generation_prompt": False}),
+                    codec, 2048)
+    assert chat.tokens[: len(bare.tokens)] == bare.tokens and len(bare.tokens) < len(chat.tokens)
+    assert detokenize(DetokenizeRequest(tokens=chat.tokens), codec).prompt.startswith("<|im_start|>")

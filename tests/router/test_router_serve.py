@@ -162,6 +162,24 @@ def test_vllm_extensions_and_metadata(client: openai.OpenAI) -> None:
     assert c.choices[0].finish_reason == "length"
 
 
+def test_tokenize_and_detokenize(base: str) -> None:
+    with httpx.Client(base_url=f"{base}/pd", headers=AUTH, timeout=30) as http:
+        r = http.post("/tokenize", json={"model": MODEL, "prompt": "abc", "return_token_strs": True})
+        assert r.status_code == 200
+        assert r.json() == {"count": 3, "max_model_len": MAX_LEN, "tokens": [97, 98, 99], "token_strs": list("abc")}
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert chat["tokens"] == [ord(c) for c in "<user>hi<assistant>"] and chat["token_strs"] is None
+        assert http.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
+        for path, body, param in (("/detokenize", {"tokens": [999]}, "tokens"),
+                                  ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+                                  ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+                                   "tools"),
+                                  ("/tokenize", {"prompt": 5}, "prompt")):
+            r = http.post(path, json=body)
+            assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, body)
+    assert httpx.post(f"{base}/pd/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401
+
+
 def test_raw_sse_ends_with_done(base: str) -> None:
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "stream": True}
     with httpx.stream("POST", f"{base}/pd/v1/completions", json=body, headers=AUTH, timeout=30) as r:
