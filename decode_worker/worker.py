@@ -40,7 +40,7 @@ from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.load_report import LoadReport
 from engine.runner import DecodeSeq, PrefillChunk
-from engine.sampling import SamplerState, sample
+from engine.sampling import SamplerState, TopLogprobs, sample
 
 log = logging.getLogger(__name__)
 
@@ -346,18 +346,18 @@ class DecodeWorker:
                 continue
             self.prefilling.remove(st)
             self.scheduler.on_transfer_done(st.request_id)
-            ids, lps = sample(logits[row : row + 1], [st.sampler])
-            self._emit(st, ids[0], lps[0])
+            out = sample(logits[row : row + 1], [st.sampler])
+            self._emit(st, out.token_ids[0], out.logprobs[0], out.top[0])
 
     def _after_decode(self, streams: list[Stream], logits: torch.Tensor) -> None:
-        ids, lps = sample(logits, [st.sampler for st in streams])
-        for st, tok, lp in zip(streams, ids, lps, strict=True):
+        out = sample(logits, [st.sampler for st in streams])
+        for st, tok, lp, top in zip(streams, *out, strict=True):
             if st.request_id not in self.streams:
                 continue  # aborted while the step ran; its blocks are already free
             self.scheduler.on_token(st.request_id)
-            self._emit(st, tok, lp)
+            self._emit(st, tok, lp, top)
 
-    def _emit(self, st: Stream, tok: int, lp: float) -> None:
+    def _emit(self, st: Stream, tok: int, lp: float, top: TopLogprobs = ()) -> None:
         if st.decode_started is None:
             st.decode_started = time.monotonic()
         st.generated.append(tok)  # disaggregated streams start with token 0 from the prefill
@@ -368,6 +368,6 @@ class DecodeWorker:
             reason = "stop"
         elif len(st.generated) >= params.max_tokens:
             reason = "length"
-        st.push(tok, lp, reason)
+        st.push(tok, lp, reason, top)
         if reason is not None:
             self._forget(st)

@@ -1,7 +1,8 @@
 """Sampling parameters and the batched sampler.
 
 Owns: `SamplingParams` (what a request asks for), `SamplerState` (one sequence's prompt, output and
-penalty books) and `sample()` (a step's logits → token ids + log-probs).
+penalty books) and `sample()` (a step's logits → token ids, their log-probs and the most likely
+alternatives, `Sampled`).
 
 The pipeline, as tensor ops over the step's rows (vLLM's order; a stage runs only when some row
 needs it, so plain requests pay for none of them):
@@ -21,16 +22,20 @@ Invariants: a request with a ``seed`` draws token ``t`` with a generator seeded 
 ``(seed, t)``, so its text depends only on the seed, not on the batch it ran in nor on which
 process sampled which token (token 0 on a prefill replica, the rest on a decode replica gives the
 same text as colocated); a decode replica rebuilds a state from the prompt and the tokens so far.
-The log-probability returned is of the chosen token under the *unmodified* distribution (no bias,
-penalty, temperature or truncation), as OpenAI's API reports it.
+The log-probabilities returned (the chosen token's and the ``top_logprobs`` most likely) are of the
+*unmodified* distribution (no bias, penalty, temperature or truncation), as OpenAI's API reports them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+
+TopLogprobs = tuple[tuple[int, float], ...]  # (token id, log-prob), the most likely first
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # the most likely alternatives to report with each token (needs logprobs)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -69,6 +75,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if any(t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
             raise ValueError("logit_bias takes token ids >= 0 and biases in [-100, 100]")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
 
@@ -242,8 +250,24 @@ def _draw(probs: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
     return out
 
 
-def sample(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list[int], list[float]]:
-    """logits: [B, V], one row per state → (token ids, log-probs of the chosen tokens).
+class Sampled(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[float]  # of the chosen tokens, under the unmodified distribution
+    top: list[TopLogprobs]  # per row, its params' top_logprobs most likely tokens (() for none)
+
+
+def _top(raw: torch.Tensor, lse: torch.Tensor, states: Sequence[SamplerState]) -> list[TopLogprobs]:
+    """raw: [B, V] unmodified logits, lse: [B] their logsumexp → each row's most likely tokens."""
+    ks = [st.params.top_logprobs for st in states]
+    if not any(ks):
+        return [() for _ in states]
+    vals, idx = torch.topk(raw, max(ks), dim=-1)  # [B, kmax]
+    lps, ids = (vals - lse.unsqueeze(1)).tolist(), idx.tolist()
+    return [tuple(zip(ids[i][:k], lps[i][:k], strict=True)) for i, k in enumerate(ks)]
+
+
+def sample(logits: torch.Tensor, states: list[SamplerState]) -> Sampled:
+    """logits: [B, V], one row per state → the chosen tokens, their log-probs and the top alternatives.
 
     Records each chosen token in its state.
     """
@@ -264,8 +288,9 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> tuple[list[int],
         y = truncate((x if every else x[hot]) / temps, [st.params for st in sub])  # [b, V]
         drawn = _draw(y.softmax(-1), sub)  # [b]
         ids = drawn if every else x.argmax(dim=-1).index_copy(0, torch.tensor(hot, device=x.device), drawn)
-    chosen = raw.gather(1, ids.unsqueeze(1)).squeeze(1) - raw.logsumexp(dim=-1)  # [B]
+    lse = raw.logsumexp(dim=-1)  # [B]
+    chosen = raw.gather(1, ids.unsqueeze(1)).squeeze(1) - lse  # [B]
     out = ids.tolist()
     for st, tok in zip(states, out, strict=True):
         st.record(tok)
-    return out, chosen.tolist()
+    return Sampled(out, chosen.tolist(), _top(raw, lse, states))

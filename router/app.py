@@ -183,7 +183,7 @@ class Router:
         prompt = completion_prompt(req, self._codec)
         fmt: Formatter = CompletionFormatter(
             model=req.model, codec=self._codec, prompt_tokens=len(prompt),
-            logprobs=req.logprobs is not None, include_usage=req.include_usage)
+            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, include_usage=req.include_usage)
         return await self._run(req.stream, prompt, req, fmt)
 
     @app.post("/v1/chat/completions")
@@ -191,14 +191,15 @@ class Router:
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         prompt = chat_prompt(req, self._codec)
         fmt: Formatter = ChatFormatter(model=req.model, codec=self._codec, prompt_tokens=len(prompt),
-                                       logprobs=req.logprobs, include_usage=req.include_usage)
+                                       logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
+                                       include_usage=req.include_usage)
         return await self._run(req.stream, prompt, req, fmt)
 
     async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter
                    ) -> Response:
         arrival_mono = time.perf_counter()
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
-                                self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size)
+                                self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size, fmt.top_logprobs)
         inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
                               stop_strings=req.stop_strings, include_stop_str=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens, arrival_mono=arrival_mono)

@@ -23,7 +23,8 @@ Served fields (both endpoints unless marked):
 | temperature, top_p, seed, stop | OpenAI's ranges; at most 4 stop strings |
 | frequency_penalty, presence_penalty | -2..2, over the output tokens (OpenAI's formula) |
 | logit_bias | token id -> -100..100, added to the logits before the penalties and sampling |
-| logprobs (chat), logprobs 0 (completions) | the chosen token's, from the unmodified distribution |
+| logprobs, top_logprobs (chat, <= 20) | the chosen token's and the k most likely, unmodified distribution |
+| logprobs k (completions, <= 5) | the same; each token's dict holds the k most likely and the chosen one |
 | stream, stream_options.include_usage | (include_obfuscation: wire padding, ignored) |
 | top_k, min_p, repetition_penalty, min_tokens | vLLM's extensions, as vLLM defines them |
 | ignore_eos, stop_token_ids | vLLM's extensions, as vLLM defines them |

@@ -33,7 +33,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from decode_worker.types import KV_LOST, DecodeRequest, DecodeTimings, TokenEvent
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TopLogprobs
 from prefill_worker.types import PrefillRequest
 from router.admission import Admission
 from router.backends import Backends, TokenTimeoutError
@@ -65,6 +65,7 @@ class Delta:
     token_ids: tuple[int, ...]
     logprobs: tuple[float | None, ...]
     finish_reason: str | None = None
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token when the request asks, else empty
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Generation:
                 self._metrics.queue.observe(result.timings.queue_s)
                 self._metrics.prefill.observe(result.timings.prefill_s)
                 delta = self._advance(st, inp, detok, stops, stop_ids, (result.token_id,), (result.logprob,),
+                                      (result.top_logprobs,),
                                       result.finish_reason if result.finished else None)
                 yield self._sent(st, delta)
                 if st.finish_reason is not None:
@@ -126,7 +128,7 @@ class Generation:
                             raise StreamError(ev.error or "the decode pool failed this request")
                         self._record_timings(ev.timings)
                         delta = self._advance(st, inp, detok, stops, stop_ids, ev.token_ids,
-                                              _logprobs(ev), ev.finish_reason)
+                                              _logprobs(ev), ev.top_logprobs or (), ev.finish_reason)
                         yield self._sent(st, delta)
                         if st.finish_reason is not None:
                             return
@@ -169,16 +171,19 @@ class Generation:
         stop_ids: frozenset[int],
         token_ids: Sequence[int],
         logprobs: Sequence[float | None],
+        tops: Sequence[TopLogprobs],
         finish_reason: str | None,
     ) -> Delta:
         """Account for new tokens; returns the text they release and, if they end it, why."""
         text: list[str] = []
         kept_ids: list[int] = []
         kept_lps: list[float | None] = []
+        kept_tops: list[TopLogprobs] = []
         for i, tid in enumerate(token_ids):
             st.num_tokens += 1
             kept_ids.append(tid)
             kept_lps.append(logprobs[i] if i < len(logprobs) else None)
+            kept_tops.append(tops[i] if i < len(tops) else ())
             piece = detok.push(tid) if inp.include_stop_str or tid not in stop_ids else ""
             text.append(stops.feed(piece))
             if stops.finished:
@@ -195,7 +200,8 @@ class Generation:
         if st.finish_reason is not None and not stops.finished:
             text.append(stops.feed(detok.flush()))
             text.append(stops.flush())
-        return Delta("".join(text), tuple(kept_ids), tuple(kept_lps), st.finish_reason)
+        top = tuple(kept_tops) if inp.sampling.top_logprobs else ()
+        return Delta("".join(text), tuple(kept_ids), tuple(kept_lps), st.finish_reason, top)
 
     def _sent(self, st: _State, delta: Delta) -> Delta:
         now = time.perf_counter()

@@ -57,6 +57,7 @@ def sampling_for(
     eos_token_ids: tuple[int, ...],
     logprobs: bool,
     vocab_size: int,
+    top_logprobs: int = 0,
 ) -> SamplingParams:
     """The request's sampling settings; EOS joins the stop ids unless ``ignore_eos`` (vLLM: the
     requested ``stop_token_ids`` stop the sequence either way)."""
@@ -95,6 +96,7 @@ def sampling_for(
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            top_logprobs=top_logprobs if logprobs else 0,
         )
     except ValueError as e:
         raise bad_request(str(e)) from None

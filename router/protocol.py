@@ -146,13 +146,6 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("prompt must not be empty")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _chosen_only(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("only logprobs 0 (the chosen token's) is supported, not the top alternatives")
-        return v
-
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -204,12 +197,11 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _chosen_only(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("only the chosen token's log-prob is supported (top_logprobs 0)")
-        return v
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
 
 
 # ---------------------------------------------------------------------------------------- responses
@@ -250,11 +242,17 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
 class ChatTokenLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(BaseModel):

@@ -173,7 +173,7 @@ def test_batched_sampler_equals_brute_force_rows_and_ignores_its_batch() -> None
         batch = [SamplerState.new(p, pr, o, eos_ids=(2,)) for p, pr, o in zip(PARAMS, prompts, outs, strict=True)]
         want = [reference_row(x[i], SamplerState.new(p, pr, o, eos_ids=(2,)))
                 for i, (p, pr, o) in enumerate(zip(PARAMS, prompts, outs, strict=True))]
-        got, lps = sample(x, batch)
+        got, lps, _ = sample(x, batch)
         assert got == want, step
         for i, (p, pr, o) in enumerate(zip(PARAMS, prompts, outs, strict=True)):
             alone = sample(x[i : i + 1], [SamplerState.new(p, pr, o, eos_ids=(2,))])[0]
@@ -217,3 +217,17 @@ def test_top_p_head_and_full_sort_agree_with_transformers(head: int, monkeypatch
     for row, v in enumerate(values):
         ref = TopPLogitsWarper(v)(None, x[row : row + 1].clone())[0] if v < 1 else x[row]
         assert torch.equal(torch.isinf(got[row]), torch.isinf(ref)), (head, v)
+
+
+def test_top_logprobs_are_the_unmodified_distributions_best() -> None:
+    x = logits(3, seed=8)
+    params = [SamplingParams(logprobs=True, top_logprobs=5, temperature=0.5, seed=1, repetition_penalty=2.0,
+                             logit_bias=((0, -100.0),)),
+              SamplingParams(logprobs=True),
+              SamplingParams(logprobs=True, top_logprobs=20)]
+    out = sample(x, [SamplerState.new(p, [0, 1, 2]) for p in params])
+    ref = x.log_softmax(-1)
+    for row, k in enumerate((5, 0, 20)):
+        vals, idx = ref[row].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        assert [t for t, _ in out.top[row]] == idx.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in out.top[row]]), vals)

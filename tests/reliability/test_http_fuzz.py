@@ -92,9 +92,10 @@ def check_response(status: int, headers: dict[str, str], text: str, streamed: bo
 
 
 # schemathesis (4.32 here) by default reads at most 20 events of an event stream, then closes the
-# connection: our streams carry up to 64 tokens plus the role, finish and usage chunks and [DONE], so
-# it must read them whole (a cut stream is a client disconnect to the router: no [DONE]).
-MAX_STREAM_EVENTS = 256
+# connection: our streams carry up to 255 tokens (max_tokens null: the rest of the 256-token context)
+# plus the role, finish and usage chunks and [DONE], so it must read them whole (a cut stream is a
+# client disconnect to the router: no [DONE]).
+MAX_STREAM_EVENTS = 512
 SCHEMA = schemathesis.openapi.from_dict(openapi_schema(),
                                         config=SchemathesisConfig.from_dict({"max-stream-events": MAX_STREAM_EVENTS}))
 OPERATIONS = [(op.method.upper(), op.path, mode) for op in (r.ok() for r in SCHEMA.get_all_operations())  # type: ignore[union-attr]

@@ -47,6 +47,15 @@ def expected_tokens(prompt_ids: Sequence[int], n: int) -> list[int]:
     return out
 
 
+def fake_top(t: int, k: int) -> tuple[tuple[int, float], ...]:
+    """The fakes' top_logprobs for token ``t``: ``t`` itself, then its successors, each 1 lower."""
+    out = []
+    for i in range(k):
+        out.append((t, LOGPROB - i))
+        t = successor(t)
+    return tuple(out)
+
+
 def expected_text(prompt: str, n: int) -> str:
     return "".join(chr(t) for t in expected_tokens([ord(c) for c in prompt], n))
 
@@ -131,7 +140,8 @@ class FakePrefill:
             n_tokens=len(req.prompt_token_ids), layout=LAYOUT, expires_at=time.time() + 30)
         return PrefillResult(request_id=req.request_id, token_id=token, logprob=LOGPROB, handle=handle,
                              finished=finished, finish_reason="length" if finished else None,
-                             timings=PrefillTimings(queue_s=0.001, prefill_s=0.002))
+                             timings=PrefillTimings(queue_s=0.001, prefill_s=0.002),
+                             top_logprobs=fake_top(token, req.sampling.top_logprobs))
 
     async def load(self) -> LoadReport:
         return LoadReport(replica_id=f"fake-prefill-{os.getpid()}", role="prefill", num_waiting=0,
@@ -172,6 +182,7 @@ class FakeDecode:
                 finish = "stop" if t == EOS else ("length" if produced == n_max else None)
                 timings = DecodeTimings(queue_s=0.001, transfer_s=0.001, prefill_s=0.002) if finish else None
                 yield TokenEvent(request_id=req.request_id, token_ids=(t,), logprobs=(LOGPROB,),
+                                 top_logprobs=(fake_top(t, req.sampling.top_logprobs),),
                                  finish_reason=finish, timings=timings)
                 if finish:
                     return

@@ -27,7 +27,7 @@ from router.app import Router
 from router.config import RouterConfig
 from router.replica_router import serve_router_config, with_routing_stats
 from tests.router import pd_fakes
-from tests.router.pd_fakes import FakeConfig, FakeDecode, FakePrefill, expected_text, fake_codec
+from tests.router.pd_fakes import FakeConfig, FakeDecode, FakePrefill, expected_text, fake_codec, successor
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -135,7 +135,7 @@ def test_eos_and_logprobs(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("n", 2), ("response_format", {"type": "json_object"}), ("tool_choice", "required"),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    ("use_beam_search", True), ("top_logprobs", 3),
+    ("use_beam_search", True), ("top_logprobs", 21),
 ])
 def test_refused_fields_are_400_naming_them(client: openai.OpenAI, field: str, value: Any) -> None:
     msgs: Any = [{"role": "user", "content": "x"}]
@@ -178,6 +178,26 @@ def test_tokenize_and_detokenize(base: str) -> None:
             r = http.post(path, json=body)
             assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, body)
     assert httpx.post(f"{base}/pd/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401
+
+
+def test_top_logprobs(client: openai.OpenAI) -> None:
+    msgs: Any = [{"role": "user", "content": "x"}]
+    c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, logprobs=True, top_logprobs=2)
+    assert c.choices[0].logprobs is not None and c.choices[0].logprobs.content is not None
+    for tok in c.choices[0].logprobs.content:
+        t = ord(tok.token)
+        assert [(a.token, a.logprob, a.bytes) for a in tok.top_logprobs] == [
+            (chr(t), -0.25, [t]), (chr(successor(t)), -1.25, [successor(t)])]
+    streamed = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, logprobs=True,
+                                                   top_logprobs=1, stream=True))
+    tops = [e.top_logprobs for c in streamed for e in (c.choices[0].logprobs.content or [])  # type: ignore[union-attr]
+            if c.choices and c.choices[0].logprobs]
+    assert len(tops) == 3 and all(len(t) == 1 for t in tops)
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=2, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs == [{"d": -0.25, "e": -1.25}, {"e": -0.25, "f": -1.25}]
+    with pytest.raises(openai.BadRequestError):  # top_logprobs needs logprobs
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, top_logprobs=2)
 
 
 def test_raw_sse_ends_with_done(base: str) -> None:

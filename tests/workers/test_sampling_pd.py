@@ -81,3 +81,55 @@ async def test_min_tokens_holds_back_a_stop_token(tiny_path: Path, ref_engine: E
         await pd.prefill.stop()
     assert tokens == reference(ref_engine, prompt, params)
     assert stop not in tokens[: first + 4] and len(tokens) > first + 4
+
+
+async def _with_logprobs(pd, req_id: str, prompt: tuple[int, ...], params: SamplingParams):  # type: ignore[no-untyped-def]
+    """tokens, chosen log-probs and top log-probs of a disaggregated run (token 0 from the prefill)."""
+    from prefill_worker.types import PrefillRequest
+
+    res = await pd.prefill.prefill(PrefillRequest(req_id, prompt, params))
+    tokens, lps, tops = [res.token_id], [res.logprob], [res.top_logprobs]
+    req = DecodeRequest(req_id, prompt, params, first_token_id=res.token_id, handle=res.handle)
+    async for ev in pd.decode.generate(req):
+        tokens.extend(ev.token_ids)
+        lps.extend(ev.logprobs or ())
+        tops.extend(ev.top_logprobs or ())
+    return tokens, lps, tops
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+async def test_logprobs_are_transformers_log_softmax(tiny_path: Path, mode: str) -> None:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    prompt = random_prompt(random.Random(24), 25)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=5, repetition_penalty=1.5,
+                            logprobs=True, top_logprobs=5)
+    if mode == "disaggregated":
+        pd = make_pd(tiny_path)
+        await pd.prefill.start()
+        await pd.decode.start()
+        try:
+            tokens, lps, tops = await _with_logprobs(pd, "l1", prompt, params)
+        finally:
+            await pd.decode.stop()
+            await pd.prefill.stop()
+    else:
+        colo = make_colocated(tiny_path, chunk=0)
+        await colo.start()
+        try:
+            tokens, lps, tops = [], [], []
+            async for ev in colo.generate(DecodeRequest("l2", prompt, params)):
+                tokens.extend(ev.token_ids)
+                lps.extend(ev.logprobs or ())
+                tops.extend(ev.top_logprobs or ())
+        finally:
+            await colo.stop()
+    with torch.no_grad():
+        ref = hf(torch.tensor([list(prompt) + tokens])).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+    assert len(tokens) == len(lps) == len(tops) == 8
+    torch.testing.assert_close(torch.tensor(lps), ref.gather(1, torch.tensor(tokens)[:, None])[:, 0],
+                               atol=1e-4, rtol=0)
+    vals, idx = ref.topk(5, dim=-1)
+    assert [[t for t, _ in top] for top in tops] == idx.tolist()
+    torch.testing.assert_close(torch.tensor([[v for _, v in top] for top in tops]), vals, atol=1e-4, rtol=0)
