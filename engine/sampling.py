@@ -153,20 +153,25 @@ class SamplerState:
 
 
 def bias_and_min_tokens(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
-    """logits: [B, V] → a copy with the biases added and, below min_tokens, the stop ids at -inf."""
+    """logits: [B, V] → a copy with the biases added and, below min_tokens, the stop ids at -inf.
+
+    Ids past the logits' width (a tokenizer larger than the model's head) have no logit to move."""
+    V = logits.shape[1]
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []
     for i, st in enumerate(states):
         for tid, bias in st.params.logit_bias:
-            rows.append(i)
-            cols.append(tid)
-            vals.append(bias)
-        if st.step < st.params.min_tokens:
-            for tid in st.min_tokens_mask_ids:
+            if tid < V:
                 rows.append(i)
                 cols.append(tid)
-                vals.append(float("-inf"))
+                vals.append(bias)
+        if st.step < st.params.min_tokens:
+            for tid in st.min_tokens_mask_ids:
+                if tid < V:
+                    rows.append(i)
+                    cols.append(tid)
+                    vals.append(float("-inf"))
     if not rows:
         return logits
     dev = logits.device

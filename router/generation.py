@@ -20,7 +20,8 @@ with 429 before the prefill, so nothing it admits is later dropped for load.
 Invariants: exactly one Delta carries a finish reason, and it is the last; ``completion_tokens``
 counts every generated token up to and including the one that finished the request (token 0
 included, EOS included), as OpenAI and vLLM count; the text of a stop token (EOS or a requested
-stop id) is emitted only with ``include_stop_str_in_output``; stopping early
+stop id) is emitted only with ``include_stop_str_in_output``; stop strings are looked for once more
+than ``min_tokens`` tokens are out (vLLM's rule; the sampler masks stop ids until ``min_tokens``); stopping early
 (stop string, our own ``max_tokens`` bound, consumer gone) cancels the decode stream.
 """
 
@@ -185,7 +186,7 @@ class Generation:
             kept_lps.append(logprobs[i] if i < len(logprobs) else None)
             kept_tops.append(tops[i] if i < len(tops) else ())
             piece = detok.push(tid) if inp.include_stop_str or tid not in stop_ids else ""
-            text.append(stops.feed(piece))
+            text.append(stops.feed(piece, armed=st.num_tokens > inp.sampling.min_tokens))
             if stops.finished:
                 st.finish_reason = "stop"
                 break

@@ -28,15 +28,19 @@ class StopMatcher:
     def finished(self) -> bool:
         return self.matched is not None
 
-    def feed(self, text: str) -> str:
-        """Add ``text``; return the part that can be emitted now (check `finished` after)."""
+    def feed(self, text: str, armed: bool = True) -> str:
+        """Add ``text``; return the part that can be emitted now (check `finished` after).
+
+        ``armed=False`` (before vLLM's ``min_tokens``): no stop can match yet, so a whole stop
+        string passes; the tail that may start one is still held back, to be matched once armed.
+        """
         if self.finished:
             return ""
         if not self._stops:
             return text
         buf = self._held + text
         hit = -1
-        for stop in self._stops:
+        for stop in self._stops if armed else ():
             i = buf.find(stop)
             if i >= 0 and (hit < 0 or i < hit):
                 hit, self.matched = i, stop

@@ -231,3 +231,9 @@ def test_top_logprobs_are_the_unmodified_distributions_best() -> None:
         vals, idx = ref[row].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
         assert [t for t, _ in out.top[row]] == idx.tolist()
         torch.testing.assert_close(torch.tensor([v for _, v in out.top[row]]), vals)
+
+
+def test_ids_past_the_logits_are_left_alone() -> None:
+    x = logits(1, seed=9)
+    st = SamplerState.new(SamplingParams(logit_bias=((V + 3, 50.0),), min_tokens=2, stop_token_ids=(V + 1,)))
+    torch.testing.assert_close(bias_and_min_tokens(x, [st]), x)

@@ -195,3 +195,12 @@ async def test_include_stop_str_in_output_keeps_the_stop_string() -> None:
     i = inp("abc", 20, stops=("gh",))
     deltas = await collect(gen, GenerationInput(**{**i.__dict__, "include_stop_str": True}))
     assert "".join(d.text for d in deltas) == "defgh" and deltas[-1].finish_reason == "stop"
+
+
+async def test_stop_strings_wait_for_min_tokens() -> None:
+    gen, _, _, _ = setup()
+    i = GenerationInput(request_id="r1", prompt_token_ids=tuple(ord(c) for c in "abc"),
+                        sampling=SamplingParams(max_tokens=30, min_tokens=3, stop_token_ids=(0,)),
+                        stop_strings=("e", "h"))
+    deltas = await collect(gen, i)  # "e" is token 2 (too early), "h" token 5
+    assert "".join(d.text for d in deltas) == "defg" and deltas[-1].finish_reason == "stop"
