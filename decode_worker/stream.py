@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent, merge_events
-from engine.sampling import SamplerState
+from engine.sampling import SamplerState, TopLogprobs
 
 
 @dataclass(eq=False)
@@ -65,11 +65,13 @@ class Stream:
             taken.append(self.pending.popleft())
         return taken[0] if len(taken) == 1 else merge_events(taken)
 
-    def push(self, token_id: int, logprob: float, finish_reason: str | None = None) -> None:
+    def push(self, token_id: int, logprob: float, finish_reason: str | None = None,
+             top: TopLogprobs = ()) -> None:
         """Emit one token; with a ``finish_reason`` it is the final event."""
         if self.closed:
             return
         lps = (logprob,) if self.req.sampling.logprobs else None
+        tops = (top,) if self.req.sampling.logprobs and self.req.sampling.top_logprobs else None
         if finish_reason is not None:
             self.closed = True
         self._put(
@@ -77,6 +79,7 @@ class Stream:
                 request_id=self.request_id,
                 token_ids=(token_id,),
                 logprobs=lps,
+                top_logprobs=tops,
                 finish_reason=finish_reason,
                 timings=self.timings() if finish_reason else None,
             )

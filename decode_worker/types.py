@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TopLogprobs
 from kv_transfer.handle import KVHandle
 
 
@@ -55,6 +55,7 @@ class TokenEvent:
     request_id: str
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[TopLogprobs, ...] | None = None  # one per token, when the request asks
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     error_code: str | None = None  # with "error": what failed, for callers that can recover (KV_LOST)
@@ -63,13 +64,15 @@ class TokenEvent:
 
 def merge_events(events: list[TokenEvent]) -> TokenEvent:
     """Successive events of one request as one: tokens (and log-probs) in order, the last event's
-    end. Log-probs survive only if every event carries them."""
+    end. Log-probs (and top log-probs) survive only if every event carries them."""
     last = events[-1]
     lps = [ev.logprobs for ev in events]
+    tops = [ev.top_logprobs for ev in events]
     return TokenEvent(
         request_id=last.request_id,
         token_ids=tuple(t for ev in events for t in ev.token_ids),
         logprobs=None if any(lp is None for lp in lps) else tuple(x for lp in lps if lp is not None for x in lp),
+        top_logprobs=None if any(t is None for t in tops) else tuple(x for t in tops if t is not None for x in t),
         finish_reason=last.finish_reason,
         error=last.error,
         error_code=last.error_code,

@@ -41,7 +41,7 @@ from engine.errors import QueueFullError
 from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens
 from engine.runner import DecodeSeq, PrefillChunk
-from engine.sampling import SamplerState, sample
+from engine.sampling import SamplerState, TopLogprobs, sample
 from engine.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,9 @@ class DecodeWorker:
             raise ValueError(f"request id {req.request_id!r} is already streaming")
         if self._queued_beyond_free_slots() >= self.config.max_queue:
             raise QueueFullError(f"decode queue is full ({self.config.max_queue} waiting)", 1.0)
-        stream = Stream(req=req, sampler=SamplerState.new(req.sampling, start_step=0 if self.colocated else 1))
+        sampled = () if req.first_token_id is None else (req.first_token_id,)  # token 0, from the prefill
+        sampler = SamplerState.new(req.sampling, req.prompt_token_ids, sampled, self.eos_ids)
+        stream = Stream(req=req, sampler=sampler)
         if not self.colocated:
             assert req.first_token_id is not None
             stream.generated.append(req.first_token_id)
@@ -330,18 +332,18 @@ class DecodeWorker:
                 continue
             self.prefilling.remove(st)
             self.scheduler.on_transfer_done(st.request_id)
-            ids, lps = sample(logits[row : row + 1], [st.sampler])
-            self._emit(st, ids[0], lps[0])
+            out = sample(logits[row : row + 1], [st.sampler])
+            self._emit(st, out.token_ids[0], out.logprobs[0], out.top[0])
 
     def _after_decode(self, streams: list[Stream], logits: torch.Tensor) -> None:
-        ids, lps = sample(logits, [st.sampler for st in streams])
-        for st, tok, lp in zip(streams, ids, lps, strict=True):
+        out = sample(logits, [st.sampler for st in streams])
+        for st, tok, lp, top in zip(streams, *out, strict=True):
             if st.request_id not in self.streams:
                 continue  # aborted while the step ran; its blocks are already free
             self.scheduler.on_token(st.request_id)
-            self._emit(st, tok, lp)
+            self._emit(st, tok, lp, top)
 
-    def _emit(self, st: Stream, tok: int, lp: float) -> None:
+    def _emit(self, st: Stream, tok: int, lp: float, top: TopLogprobs = ()) -> None:
         if st.decode_started is None:
             st.decode_started = time.monotonic()
         st.generated.append(tok)  # disaggregated streams start with token 0 from the prefill
@@ -352,6 +354,6 @@ class DecodeWorker:
             reason = "stop"
         elif len(st.generated) >= params.max_tokens:
             reason = "length"
-        st.push(tok, lp, reason)
+        st.push(tok, lp, reason, top)
         if reason is not None:
             self._forget(st)

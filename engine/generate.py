@@ -30,19 +30,19 @@ def generate(
     """Generate up to ``params.max_tokens`` tokens after ``prompt_ids``."""
     eos = tuple(engine.model_config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     engine.check_length(len(prompt_ids), params.max_tokens)
-    state = SamplerState.new(params)
+    state = SamplerState.new(params, prompt_ids, eos_ids=eos)
     total = len(prompt_ids) + params.max_tokens
     blocks = engine.pool.allocate(engine.blocks_for(total))
     try:
         logits = engine.runner.prefill([PrefillChunk(list(prompt_ids), 0, blocks)])
-        ids, lps = sample(logits, [state])
-        out, out_lp = [ids[0]], [lps[0]]
+        first = sample(logits, [state])
+        out, out_lp = [first.token_ids[0]], [first.logprobs[0]]
         pos = len(prompt_ids)
         while len(out) < params.max_tokens and not params.is_stop(out[-1], eos):
             logits = engine.runner.decode([DecodeSeq(out[-1], pos, blocks)])
-            ids, lps = sample(logits, [state])
-            out.append(ids[0])
-            out_lp.append(lps[0])
+            step = sample(logits, [state])
+            out.append(step.token_ids[0])
+            out_lp.append(step.logprobs[0])
             pos += 1
         reason = "stop" if params.is_stop(out[-1], eos) else "length"
         return GenerateOutput(out, out_lp, reason)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TopLogprobs
 from kv_transfer.handle import KVHandle
 
 
@@ -45,3 +45,4 @@ class PrefillResult:
     finish_reason: str | None = None  # "stop" | "length" when finished
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     timings: PrefillTimings = field(default_factory=PrefillTimings)
+    top_logprobs: TopLogprobs = ()  # token 0's most likely alternatives, when the request asks

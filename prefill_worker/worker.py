@@ -192,9 +192,9 @@ class PrefillWorker:
 
     def _finish(self, job: _Job, logits_row: object) -> None:
         req = job.req
-        state = SamplerState.new(req.sampling)
-        ids, lps = sample(logits_row, [state])  # type: ignore[arg-type]
-        token, logprob = ids[0], lps[0]
+        state = SamplerState.new(req.sampling, req.prompt_token_ids, eos_ids=self.eos_ids)
+        out = sample(logits_row, [state])  # type: ignore[arg-type]
+        token, logprob, top = out.token_ids[0], out.logprobs[0], out.top[0]
         pool = self.engine.pool
         pool.commit_full_blocks(job.blocks, job.prompt)
         timings = PrefillTimings(
@@ -209,6 +209,7 @@ class PrefillWorker:
             result = PrefillResult(
                 request_id=req.request_id, token_id=token, logprob=logprob, handle=None, finished=True,
                 finish_reason="stop" if stop else "length", num_cached_tokens=job.num_cached, timings=timings,
+                top_logprobs=top,
             )
         else:
             transfer_id = f"{req.request_id}-{uuid.uuid4().hex[:12]}"
@@ -220,7 +221,7 @@ class PrefillWorker:
             )
             result = PrefillResult(
                 request_id=req.request_id, token_id=token, logprob=logprob, handle=handle,
-                num_cached_tokens=job.num_cached, timings=timings,
+                num_cached_tokens=job.num_cached, timings=timings, top_logprobs=top,
             )
         if not job.future.done():
             job.future.set_result(result)

@@ -13,6 +13,9 @@ Readiness: ``/health`` says the process answers; ``/ready`` says to send traffic
 503 while the app's drain flag is set (`router.drain`) — the first thing a drain changes, so a load
 balancer stops sending before anything stops serving — and while either pool does not answer.
 
+Also vLLM's ``/tokenize`` and ``/detokenize`` (`router.tokenize`), through the same auth, field
+accounting and validation.
+
 Errors are raised as `router.errors.APIError` and answered by the app's exception handlers
 (`install_handlers`), so no endpoint formats one itself.
 
@@ -34,7 +37,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from ray import serve
 
 from router.admission import Admission
@@ -54,6 +57,7 @@ from router.errors import (
     unauthorized,
     unavailable,
 )
+from router.fields import account
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_format import DONE, ChatFormatter, CompletionFormatter, Formatter, sse
@@ -65,6 +69,13 @@ from router.protocol import (
     ModelCard,
     ModelList,
 )
+from router.tokenize import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    detokenize,
+    tokenize,
+)
 
 logger = logging.getLogger("pdserve.router")
 
@@ -74,6 +85,13 @@ install_handlers(app)
 _FALLBACK_MAX_MODEL_LEN = 2048
 
 R = TypeVar("R", bound=GenerationRequest)
+M = TypeVar("M", bound=BaseModel)
+
+
+def _tokenize_kind(payload: Any) -> type[TokenizeCompletionRequest | TokenizeChatRequest]:
+    """vLLM's two ``/tokenize`` bodies: chat-style when it has ``messages``."""
+    chat = isinstance(payload, dict) and "messages" in payload
+    return TokenizeChatRequest if chat else TokenizeCompletionRequest
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -139,16 +157,24 @@ class Router:
         if not ok:
             raise unauthorized()
 
-    async def _parse(self, request: Request, model: type[R]) -> R:
+    async def _validate(self, request: Request, pick: Callable[[Any], type[M]]) -> M:
+        """Auth, the body (size, JSON), every field accounted for, validation, the model name (when
+        the body names one). ``pick``: the request model for this body."""
         self._authorize(request)
         payload = await read_json(request, self._config.max_body_bytes)
+        model = pick(payload)
+        account(payload, frozenset(model.model_fields))
         try:
             req = model.model_validate(payload)
         except ValidationError as e:
             raise from_validation_errors(e.errors()) from None
-        if req.model != self._config.served_model_name:
-            raise model_not_found(req.model)
+        name = getattr(req, "model", None)
+        if name is not None and name != self._config.served_model_name:
+            raise model_not_found(name)
         return req
+
+    async def _parse(self, request: Request, model: type[R]) -> R:
+        return await self._validate(request, lambda _: model)
 
     # ---- OpenAI endpoints ----
     @app.post("/v1/completions")
@@ -157,7 +183,7 @@ class Router:
         prompt = completion_prompt(req, self._codec)
         fmt: Formatter = CompletionFormatter(
             model=req.model, codec=self._codec, prompt_tokens=len(prompt),
-            logprobs=req.logprobs is not None, include_usage=req.include_usage)
+            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, include_usage=req.include_usage)
         return await self._run(req.stream, prompt, req, fmt)
 
     @app.post("/v1/chat/completions")
@@ -165,16 +191,19 @@ class Router:
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         prompt = chat_prompt(req, self._codec)
         fmt: Formatter = ChatFormatter(model=req.model, codec=self._codec, prompt_tokens=len(prompt),
-                                       logprobs=req.logprobs, include_usage=req.include_usage)
+                                       logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
+                                       include_usage=req.include_usage)
         return await self._run(req.stream, prompt, req, fmt)
 
     async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter
                    ) -> Response:
         arrival_mono = time.perf_counter()
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
-                                self._codec.eos_token_ids, fmt.logprobs, self._codec.sampling_defaults)
+                                self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size, fmt.top_logprobs,
+                                self._codec.sampling_defaults)
         inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
-                              stop_strings=req.stop_strings, arrival_mono=arrival_mono)
+                              stop_strings=req.stop_strings, include_stop_str=req.include_stop_str_in_output,
+                              skip_special_tokens=req.skip_special_tokens, arrival_mono=arrival_mono)
         deltas = self._generation.stream(inp)
         try:
             first = await deltas.__anext__()
@@ -213,6 +242,17 @@ class Router:
             yield DONE
         finally:
             await deltas.aclose()
+
+    # ---- vLLM's tokenizer endpoints ----
+    @app.post("/tokenize")
+    async def post_tokenize(self, request: Request) -> Response:
+        req = await self._validate(request, _tokenize_kind)
+        return JSONResponse(tokenize(req, self._codec, self._max_model_len).model_dump())
+
+    @app.post("/detokenize")
+    async def post_detokenize(self, request: Request) -> Response:
+        req = await self._validate(request, lambda _: DetokenizeRequest)
+        return JSONResponse(detokenize(req, self._codec).model_dump())
 
     # ---- service endpoints ----
     @app.get("/v1/models")

@@ -43,12 +43,21 @@ class TextCodec(Protocol):
     def max_model_len(self) -> int | None: ...
 
     def encode_prompt(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens included (``/detokenize``)."""
+        ...
 
     def token_text(self, token_id: int) -> str: ...
 
-    def detokenizer(self) -> Detokenizer: ...
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's spelling in the vocabulary (byte-level, e.g. ``"Ġhello"``), for ``/tokenize``."""
+        ...
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...
 
 
 class EngineTextCodec:
@@ -81,23 +90,31 @@ class EngineTextCodec:
     def encode_prompt(self, text: str) -> list[int]:
         """What the tokenizer's post-processor adds (BOS for Llama-style tokenizers) included, BOS once."""
         return self._tok.encode_prompt(text)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Raises ValueError for conversations the template refuses (its ``raise_exception``)."""
         import jinja2
 
         try:
-            return self._tok.encode_chat(list(messages), add_generation_prompt=True)
+            return self._tok.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {e}") from None
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=False)
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        return [self._tok.id_to_token(t) or "" for t in token_ids]
 
     def token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
-    def detokenizer(self) -> Detokenizer:
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
         from engine.detokenizer import IncrementalDetokenizer
 
-        return IncrementalDetokenizer(self._tok)
+        return IncrementalDetokenizer(self._tok, skip_special_tokens)
 
 
 def load_codec(config: RouterConfig) -> TextCodec:

@@ -19,7 +19,9 @@ with 429 before the prefill, so nothing it admits is later dropped for load.
 
 Invariants: exactly one Delta carries a finish reason, and it is the last; ``completion_tokens``
 counts every generated token up to and including the one that finished the request (token 0
-included, EOS included), as OpenAI and vLLM count; EOS text is never emitted; stopping early
+included, EOS included), as OpenAI and vLLM count; the text of a stop token (EOS or a requested
+stop id) is emitted only with ``include_stop_str_in_output``; stop strings are looked for once more
+than ``min_tokens`` tokens are out (vLLM's rule; the sampler masks stop ids until ``min_tokens``); stopping early
 (stop string, our own ``max_tokens`` bound, consumer gone) cancels the decode stream.
 """
 
@@ -32,7 +34,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from decode_worker.types import KV_LOST, DecodeRequest, DecodeTimings, TokenEvent
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, TopLogprobs
 from prefill_worker.types import PrefillRequest
 from router.admission import Admission
 from router.backends import Backends, TokenTimeoutError
@@ -52,6 +54,8 @@ class GenerationInput:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     stop_strings: tuple[str, ...] = ()
+    include_stop_str: bool = False  # the matched stop string, or the stop token's text, ends the text
+    skip_special_tokens: bool = True
     arrival_time: float = field(default_factory=time.time)  # wall clock, for worker queue metrics
     arrival_mono: float = field(default_factory=time.perf_counter)  # for our latency metrics
 
@@ -62,6 +66,7 @@ class Delta:
     token_ids: tuple[int, ...]
     logprobs: tuple[float | None, ...]
     finish_reason: str | None = None
+    top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token when the request asks, else empty
 
 
 @dataclass
@@ -84,9 +89,11 @@ class Generation:
 
     async def stream(self, inp: GenerationInput) -> AsyncGenerator[Delta, None]:
         st = _State()
-        eos = frozenset(()) if inp.sampling.ignore_eos else frozenset(self._codec.eos_token_ids)
-        detok = self._codec.detokenizer()
-        stops = StopMatcher(inp.stop_strings)
+        stop_ids = frozenset(inp.sampling.stop_token_ids)
+        if not inp.sampling.ignore_eos:
+            stop_ids |= frozenset(self._codec.eos_token_ids)
+        detok = self._codec.detokenizer(inp.skip_special_tokens)
+        stops = StopMatcher(inp.stop_strings, inp.include_stop_str)
         self._admission.enter()  # 429 now, before any token, if this replica is at its bound
         unclaimed = None  # a handle no decode replica has answered for yet: released if we end here
         try:
@@ -98,7 +105,8 @@ class Generation:
                     sampling=inp.sampling, arrival_time=inp.arrival_time))
                 self._metrics.queue.observe(result.timings.queue_s)
                 self._metrics.prefill.observe(result.timings.prefill_s)
-                delta = self._advance(st, inp, detok, stops, eos, (result.token_id,), (result.logprob,),
+                delta = self._advance(st, inp, detok, stops, stop_ids, (result.token_id,), (result.logprob,),
+                                      (result.top_logprobs,),
                                       result.finish_reason if result.finished else None)
                 yield self._sent(st, delta)
                 if st.finish_reason is not None:
@@ -120,8 +128,8 @@ class Generation:
                                 break
                             raise StreamError(ev.error or "the decode pool failed this request")
                         self._record_timings(ev.timings)
-                        delta = self._advance(st, inp, detok, stops, eos, ev.token_ids,
-                                              _logprobs(ev), ev.finish_reason)
+                        delta = self._advance(st, inp, detok, stops, stop_ids, ev.token_ids,
+                                              _logprobs(ev), ev.top_logprobs or (), ev.finish_reason)
                         yield self._sent(st, delta)
                         if st.finish_reason is not None:
                             return
@@ -161,25 +169,28 @@ class Generation:
         inp: GenerationInput,
         detok: Detokenizer,
         stops: StopMatcher,
-        eos: frozenset[int],
+        stop_ids: frozenset[int],
         token_ids: Sequence[int],
         logprobs: Sequence[float | None],
+        tops: Sequence[TopLogprobs],
         finish_reason: str | None,
     ) -> Delta:
         """Account for new tokens; returns the text they release and, if they end it, why."""
         text: list[str] = []
         kept_ids: list[int] = []
         kept_lps: list[float | None] = []
+        kept_tops: list[TopLogprobs] = []
         for i, tid in enumerate(token_ids):
             st.num_tokens += 1
             kept_ids.append(tid)
             kept_lps.append(logprobs[i] if i < len(logprobs) else None)
-            piece = "" if tid in eos else detok.push(tid)
-            text.append(stops.feed(piece))
+            kept_tops.append(tops[i] if i < len(tops) else ())
+            piece = detok.push(tid) if inp.include_stop_str or tid not in stop_ids else ""
+            text.append(stops.feed(piece, armed=st.num_tokens > inp.sampling.min_tokens))
             if stops.finished:
                 st.finish_reason = "stop"
                 break
-            if tid in eos:
+            if tid in stop_ids:
                 st.finish_reason = "stop"
                 break
             if st.num_tokens >= inp.sampling.max_tokens:
@@ -190,7 +201,8 @@ class Generation:
         if st.finish_reason is not None and not stops.finished:
             text.append(stops.feed(detok.flush()))
             text.append(stops.flush())
-        return Delta("".join(text), tuple(kept_ids), tuple(kept_lps), st.finish_reason)
+        top = tuple(kept_tops) if inp.sampling.top_logprobs else ()
+        return Delta("".join(text), tuple(kept_ids), tuple(kept_lps), st.finish_reason, top)
 
     def _sent(self, st: _State, delta: Delta) -> Delta:
         now = time.perf_counter()

@@ -6,17 +6,21 @@ framing (`sse`, `DONE`).
 Invariants: one formatter per request; every chunk of a request has the same ``id``, ``created``
 and ``model``; a chat stream's first chunk carries ``role: "assistant"``; the usage chunk (only
 with ``stream_options.include_usage``) comes last, after the chunk with the finish reason, and has
-``choices: []``; logprobs are only those of the chosen tokens.
+``choices: []``; logprobs are the chosen tokens' and, when asked, the most likely alternatives
+(chat: ``top_logprobs`` objects; completions: a ``{token: logprob}`` dict per token, the chosen one
+included).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
 
+from engine.sampling import TopLogprobs
 from router.codec import TextCodec
 from router.generation import Delta
 from router.protocol import (
@@ -32,6 +36,7 @@ from router.protocol import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    TopLogprob,
     Usage,
     new_id,
     now,
@@ -57,6 +62,8 @@ class Formatter:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: int = 0  # alternatives per token the request asked for (with logprobs)
+    token_tops: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     id: str = ""
 
@@ -68,6 +75,7 @@ class Formatter:
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.token_logprobs.extend(delta.logprobs)
+        self.token_tops.extend(delta.top_logprobs or [()] * len(delta.token_ids))
         self.finish_reason = delta.finish_reason or self.finish_reason
 
     @property
@@ -89,22 +97,27 @@ class CompletionFormatter(Formatter):
         self.id = self.id or new_id("cmpl")
         self._offset = 0
 
-    def _logprobs(self, ids: tuple[int, ...] | list[int], lps: tuple[float | None, ...] | list[float | None],
+    def _logprobs(self, ids: Sequence[int], lps: Sequence[float | None], tops: Sequence[TopLogprobs],
                   offset: int) -> CompletionLogprobs | None:
         if not self.logprobs:
             return None
-        out = CompletionLogprobs()
-        for tid, lp in zip(ids, lps, strict=False):
+        out = CompletionLogprobs(top_logprobs=[] if self.top_logprobs else None)
+        for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
             tok = self.codec.token_text(tid)
             out.tokens.append(tok)
             out.token_logprobs.append(lp)
             out.text_offset.append(offset)
             offset += len(tok)
+            if out.top_logprobs is not None:  # the k most likely, and the chosen token (as vLLM does)
+                top = {self.codec.token_text(t): v for t, v in (tops[i] if i < len(tops) else ())}
+                if lp is not None:
+                    top.setdefault(tok, lp)
+                out.top_logprobs.append(top)
         return out
 
     def chunk(self, delta: Delta) -> BaseModel:
         self.add(delta)
-        lp = self._logprobs(delta.token_ids, delta.logprobs, self._offset)
+        lp = self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs, self._offset)
         self._offset += len(delta.text)
         choice = CompletionChoice(text=delta.text, logprobs=lp, finish_reason=delta.finish_reason)
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
@@ -115,7 +128,7 @@ class CompletionFormatter(Formatter):
 
     def response(self) -> BaseModel:
         choice = CompletionChoice(text="".join(self.text), finish_reason=self.finish_reason,
-                                  logprobs=self._logprobs(self.token_ids, self.token_logprobs, 0))
+                                  logprobs=self._logprobs(self.token_ids, self.token_logprobs, self.token_tops, 0))
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
                                   usage=self.usage)
 
@@ -125,23 +138,28 @@ class ChatFormatter(Formatter):
         self.id = self.id or new_id("chatcmpl")
         self._sent_role = False
 
-    def _logprobs(self, ids: tuple[int, ...] | list[int],
-                  lps: tuple[float | None, ...] | list[float | None]) -> ChatLogprobs | None:
+    def _logprobs(self, ids: Sequence[int], lps: Sequence[float | None],
+                  tops: Sequence[TopLogprobs]) -> ChatLogprobs | None:
         if not self.logprobs:
             return None
         content = []
-        for tid, lp in zip(ids, lps, strict=False):
+        for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
             tok = self.codec.token_text(tid)
+            alts = [self._top(t, v) for t, v in (tops[i] if i < len(tops) else ())]
             content.append(ChatTokenLogprob(token=tok, logprob=lp if lp is not None else 0.0,
-                                            bytes=list(tok.encode())))
+                                            bytes=list(tok.encode()), top_logprobs=alts))
         return ChatLogprobs(content=content)
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        tok = self.codec.token_text(token_id)
+        return TopLogprob(token=tok, logprob=logprob, bytes=list(tok.encode()))
 
     def chunk(self, delta: Delta) -> BaseModel:
         self.add(delta)
         first = not self._sent_role
         self._sent_role = True
         choice = ChatStreamChoice(delta=ChatDelta(role="assistant" if first else None, content=delta.text),
-                                  logprobs=self._logprobs(delta.token_ids, delta.logprobs),
+                                  logprobs=self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs),
                                   finish_reason=delta.finish_reason)
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
@@ -151,7 +169,7 @@ class ChatFormatter(Formatter):
 
     def response(self) -> BaseModel:
         choice = ChatChoice(message=AssistantMessage(content="".join(self.text)),
-                            logprobs=self._logprobs(self.token_ids, self.token_logprobs),
+                            logprobs=self._logprobs(self.token_ids, self.token_logprobs, self.token_tops),
                             finish_reason=self.finish_reason)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
                                       usage=self.usage)

@@ -14,6 +14,7 @@ what its template writes. Violations are 400s with OpenAI's wording and codes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from engine.sampling import SamplingDefaults, SamplingParams
@@ -30,10 +31,7 @@ def completion_prompt(req: CompletionRequest, codec: TextCodec) -> tuple[int, ..
         ids = codec.encode_prompt(str(prompt[0]))
     else:
         ids = [int(t) for t in prompt]
-        bad = next((t for t in ids if t >= codec.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary (size {codec.vocab_size})",
-                              param="prompt")
+        _in_vocab(ids, codec.vocab_size, "prompt")
     if not ids:
         raise bad_request("the prompt encodes to no tokens", param="prompt")
     return tuple(ids)
@@ -49,6 +47,12 @@ def chat_prompt(req: ChatCompletionRequest, codec: TextCodec) -> tuple[int, ...]
     return tuple(ids)
 
 
+def _in_vocab(ids: Iterable[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab_size})", param=param)
+
+
 def sampling_for(
     req: GenerationRequest,
     prompt_len: int,
@@ -56,9 +60,13 @@ def sampling_for(
     default_max_tokens: int | None,
     eos_token_ids: tuple[int, ...],
     logprobs: bool,
+    vocab_size: int,
+    top_logprobs: int = 0,
     defaults: SamplingDefaults | None = None,
 ) -> SamplingParams:
-    """``defaults`` (the model's generation config) fill temperature / top_p / top_k the request left unset."""
+    """The request's sampling settings; EOS joins the stop ids unless ``ignore_eos`` (vLLM: the
+    requested ``stop_token_ids`` stop the sequence either way); ``defaults`` (the model's generation
+    config) fill temperature / top_p / top_k the request left unset."""
     room = max_model_len - prompt_len
     if room < 1:
         raise context_too_long(
@@ -75,6 +83,9 @@ def sampling_for(
             f"completion). Please reduce the length of the prompt or completion.")
     else:
         max_tokens = requested
+    _in_vocab(req.stop_token_ids or (), vocab_size, "stop_token_ids")
+    _in_vocab(req.logit_bias or (), vocab_size, "logit_bias")
+    stop_ids = tuple(dict.fromkeys([*(req.stop_token_ids or ()), *(() if req.ignore_eos else eos_token_ids)]))
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -82,9 +93,16 @@ def sampling_for(
             top_p=_setting(req, "top_p", defaults),
             top_k=_setting(req, "top_k", defaults),
             seed=req.seed,
-            stop_token_ids=() if req.ignore_eos else eos_token_ids,
+            min_p=req.min_p,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=tuple(sorted((req.logit_bias or {}).items())),
+            min_tokens=req.min_tokens,
+            stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            top_logprobs=top_logprobs if logprobs else 0,
         )
     except ValueError as e:
         raise bad_request(str(e)) from None

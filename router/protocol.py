@@ -4,10 +4,13 @@ Owns: `CompletionRequest`, `ChatCompletionRequest` and the shapes we answer with
 OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` field for field so the official clients
 parse them.
 
-Invariants: unknown request fields are ignored (clients send vendor extras); a request that passes
-validation has ``n == 1``, a ``max_tokens`` that is None or >= 1, at most 4 non-empty stop strings,
-a non-empty prompt and only text content; everything else about it (context length, model name)
-is checked by the app, which knows the tokenizer and the served name.
+Invariants: the fields declared here are the ones we serve; `router.fields.account` has checked
+every other field of the body before these models see it (refused ones at a non-default value are a
+400, the rest are dropped), so ``extra="ignore"`` drops nothing unaccounted for. A request that
+passes validation has a ``max_tokens`` that is None or >= 1, at most 4 non-empty stop strings, a
+non-empty prompt, only text content, ``logit_bias`` values in -100..100 and ``min_tokens`` no
+larger than ``max_tokens``; what needs the tokenizer or the served name (token ids inside the
+vocabulary, context length, model name) is checked by the app.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -38,7 +42,7 @@ def now() -> int:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # include_obfuscation: padding for the wire, not the text
     include_usage: bool = False
 
 
@@ -52,21 +56,46 @@ class GenerationRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    user: str | None = None
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None  # JSON keys are strings; pydantic reads them as ints
+    # vLLM's extensions
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
+    def _bias_range(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        for tid, bias in (v or {}).items():
+            if tid < 0:
+                raise ValueError(f"token id {tid} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias {bias} of token {tid} is outside -100..100")
         return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and min(v) < 0:
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self) -> GenerationRequest:
+        limit = self.requested_max_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({limit})")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -97,7 +126,6 @@ class CompletionRequest(GenerationRequest):
 
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
@@ -118,13 +146,6 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("prompt must not be empty")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -137,6 +158,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier tool calls: refused (no tools)
+    function_call: Any | None = None
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_calls(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("tool calling is not supported")
+        return v
 
     @field_validator("content")
     @classmethod
@@ -165,7 +195,13 @@ class ChatCompletionRequest(GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # accepted; only the chosen token is returned
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
 
 
 # ---------------------------------------------------------------------------------------- responses
@@ -206,11 +242,17 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
 class ChatTokenLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(BaseModel):

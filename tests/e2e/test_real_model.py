@@ -125,6 +125,25 @@ def test_seeded_sampling_is_reproducible_across_modes(cluster: str) -> None:
     assert other != a
 
 
+@pytest.mark.parametrize("app", ["pd", "colo"])
+def test_penalties_and_top_logprobs_over_http_equal_reference(cluster: str, oracle, app: str) -> None:
+    """The sampler's new fields through the whole stack: the text of the in-process reference with
+    the same params, and each token's log-prob first among its top_logprobs when greedy."""
+    eng, tok = oracle
+    messages = CHATS[1]
+    params = SamplingParams(max_tokens=24, repetition_penalty=1.3, presence_penalty=0.5,
+                            logit_bias=((tok.encode(" red")[0], -100.0),))
+    want = tok.decode(generate(eng, tok.encode_chat(messages), params, eos_token_ids=tok.eos_token_ids).token_ids)
+    got = client(cluster, app).chat.completions.create(
+        model=DEFAULT_MODEL, messages=messages, max_tokens=24, temperature=0, presence_penalty=0.5,
+        logit_bias={str(tok.encode(" red")[0]): -100}, logprobs=True, top_logprobs=3,
+        extra_body={"repetition_penalty": 1.3})
+    assert got.choices[0].message.content == want
+    content = got.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.logprob for t in content)
+
+
 def test_32_concurrent_streams_complete(cluster: str) -> None:
     aclient = openai.AsyncOpenAI(base_url=f"{cluster}/pd/v1", api_key="unused", timeout=240, max_retries=0)
 

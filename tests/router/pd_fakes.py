@@ -48,6 +48,15 @@ def expected_tokens(prompt_ids: Sequence[int], n: int) -> list[int]:
     return out
 
 
+def fake_top(t: int, k: int) -> tuple[tuple[int, float], ...]:
+    """The fakes' top_logprobs for token ``t``: ``t`` itself, then its successors, each 1 lower."""
+    out = []
+    for i in range(k):
+        out.append((t, LOGPROB - i))
+        t = successor(t)
+    return tuple(out)
+
+
 def expected_text(prompt: str, n: int) -> str:
     return "".join(chr(t) for t in expected_tokens([ord(c) for c in prompt], n))
 
@@ -66,21 +75,28 @@ class FakeCodec:
     vocab_size = 256
     max_model_len = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) if ord(c) < 256 else ord("?") for c in text]
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.encode(text)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if any(m["role"] == "assistant" and m["content"] == "RAISE" for m in messages):
             raise ValueError("Conversation roles must alternate")
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return self.encode(text + "<assistant>" if add_generation_prompt else text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        return [chr(t) for t in token_ids]
 
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 
-    def detokenizer(self) -> FakeDetokenizer:
+    def detokenizer(self, skip_special_tokens: bool = True) -> FakeDetokenizer:
         return FakeDetokenizer()
 
 
@@ -129,7 +145,8 @@ class FakePrefill:
             n_tokens=len(req.prompt_token_ids), layout=LAYOUT, expires_at=time.time() + 30)
         return PrefillResult(request_id=req.request_id, token_id=token, logprob=LOGPROB, handle=handle,
                              finished=finished, finish_reason="length" if finished else None,
-                             timings=PrefillTimings(queue_s=0.001, prefill_s=0.002))
+                             timings=PrefillTimings(queue_s=0.001, prefill_s=0.002),
+                             top_logprobs=fake_top(token, req.sampling.top_logprobs))
 
     async def load(self) -> LoadReport:
         return LoadReport(replica_id=f"fake-prefill-{os.getpid()}", role="prefill", num_waiting=0,
@@ -170,6 +187,7 @@ class FakeDecode:
                 finish = "stop" if t == EOS else ("length" if produced == n_max else None)
                 timings = DecodeTimings(queue_s=0.001, transfer_s=0.001, prefill_s=0.002) if finish else None
                 yield TokenEvent(request_id=req.request_id, token_ids=(t,), logprobs=(LOGPROB,),
+                                 top_logprobs=(fake_top(t, req.sampling.top_logprobs),),
                                  finish_reason=finish, timings=timings)
                 if finish:
                     return

@@ -81,5 +81,21 @@ def test_codec_carries_the_models_generation_config(tmp_path: Path) -> None:
     codec = EngineTextCodec(folder)
     assert codec.eos_token_ids == (2, 7) and codec.sampling_defaults == SamplingDefaults(top_k=20)
     req = CompletionRequest.model_validate({"model": "m", "prompt": "hi"})
-    s = sampling_for(req, 3, 100, None, codec.eos_token_ids, False, codec.sampling_defaults)
+    s = sampling_for(req, 3, 100, None, codec.eos_token_ids, False, codec.vocab_size,
+                     defaults=codec.sampling_defaults)
     assert s.top_k == 20 and s.temperature == 1.0 and s.stop_token_ids == (2, 7)
+
+
+def test_tokenize_and_detokenize_with_the_real_tokenizer(codec: TextCodec) -> None:
+    from router.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize, tokenize
+
+    r = tokenize(TokenizeCompletionRequest(prompt="hello world", return_token_strs=True), codec, 2048)
+    assert r.tokens == codec.encode("hello world") and r.count == len(r.tokens) and r.max_model_len == 2048
+    assert r.token_strs == ["hello", "Ġworld"]  # the vocabulary's spelling, as vLLM returns it
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = tokenize(TokenizeChatRequest.model_validate({"messages": msgs}), codec, 2048)
+    assert chat.tokens == codec.encode_chat(msgs) and chat.token_strs is None
+    bare = tokenize(TokenizeChatRequest.model_validate({"messages": msgs, "add_generation_prompt": False}),
+                    codec, 2048)
+    assert chat.tokens[: len(bare.tokens)] == bare.tokens and len(bare.tokens) < len(chat.tokens)
+    assert detokenize(DetokenizeRequest(tokens=chat.tokens), codec).prompt.startswith("<|im_start|>")

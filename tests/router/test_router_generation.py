@@ -178,3 +178,29 @@ async def test_token_timeout_is_a_stream_error() -> None:
     gen, _, _, _ = setup(token_timeout_s=0.005)
     with pytest.raises(StreamError, match="no token"):
         await collect(gen, inp("SLOW", 10))
+
+
+@pytest.mark.parametrize(("include", "text"), [(False, "de"), (True, "def")])
+async def test_requested_stop_token_ends_the_text(include: bool, text: str) -> None:
+    gen, _, _, _ = setup()
+    i = GenerationInput(request_id="r1", prompt_token_ids=tuple(ord(c) for c in "abc"),
+                        sampling=SamplingParams(max_tokens=20, stop_token_ids=(ord("f"),), ignore_eos=True),
+                        include_stop_str=include)
+    deltas = await collect(gen, i)
+    assert "".join(d.text for d in deltas) == text and deltas[-1].finish_reason == "stop"
+
+
+async def test_include_stop_str_in_output_keeps_the_stop_string() -> None:
+    gen, _, _, _ = setup()
+    i = inp("abc", 20, stops=("gh",))
+    deltas = await collect(gen, GenerationInput(**{**i.__dict__, "include_stop_str": True}))
+    assert "".join(d.text for d in deltas) == "defgh" and deltas[-1].finish_reason == "stop"
+
+
+async def test_stop_strings_wait_for_min_tokens() -> None:
+    gen, _, _, _ = setup()
+    i = GenerationInput(request_id="r1", prompt_token_ids=tuple(ord(c) for c in "abc"),
+                        sampling=SamplingParams(max_tokens=30, min_tokens=3, stop_token_ids=(0,)),
+                        stop_strings=("e", "h"))
+    deltas = await collect(gen, i)  # "e" is token 2 (too early), "h" token 5
+    assert "".join(d.text for d in deltas) == "defg" and deltas[-1].finish_reason == "stop"

@@ -31,9 +31,9 @@ def test_prompt_forms() -> None:
 
 @pytest.mark.parametrize("bad", [
     {"prompt": ""}, {"prompt": []}, {"prompt": ["a", "b"]}, {"prompt": [-1]}, {"prompt": 5},
-    {"n": 2}, {"max_tokens": 0}, {"max_tokens": -3}, {"max_tokens": "ten"}, {"temperature": 3},
-    {"top_p": 0}, {"stop": ["a", "b", "c", "d", "e"]}, {"stream": "maybe"}, {"echo": True},
-    {"model": None}, {"logprobs": 9},
+    {"max_tokens": 0}, {"max_tokens": -3}, {"max_tokens": "ten"}, {"temperature": 3},
+    {"top_p": 0}, {"stop": ["a", "b", "c", "d", "e"]}, {"stream": "maybe"},
+    {"model": None}, {"logprobs": 9}, {"stop_token_ids": [-1]},
 ])
 def test_invalid_completion_requests(bad: dict[str, object]) -> None:
     with pytest.raises(ValidationError) as e:
@@ -50,7 +50,7 @@ def test_missing_prompt_names_the_field() -> None:
 
 
 def test_extra_fields_ignored_and_defaults() -> None:
-    r = comp(frequency_penalty=0.5, whatever={"x": 1}, stop="END", max_completion_tokens=7, max_tokens=3)
+    r = comp(whatever={"x": 1}, stop="END", max_completion_tokens=7, max_tokens=3)
     assert r.stop_strings == ("END",) and r.requested_max_tokens == 7 and not r.include_usage
     assert comp(stream_options={"include_usage": True}).include_usage
 
@@ -79,27 +79,38 @@ def test_template_errors_are_400() -> None:
 
 def test_context_bounds() -> None:
     s = sampling_for(comp(), prompt_len=10, max_model_len=100, default_max_tokens=None,
-                     eos_token_ids=(0,), logprobs=False)
+                     eos_token_ids=(0,), logprobs=False, vocab_size=256)
     assert s.max_tokens == 90 and s.stop_token_ids == (0,) and s.temperature == 1.0
-    s = sampling_for(comp(temperature=0, ignore_eos=True), 10, 100, 16, (0,), True)
+    s = sampling_for(comp(temperature=0, ignore_eos=True), 10, 100, 16, (0,), True, 256)
     assert s.max_tokens == 16 and s.stop_token_ids == () and s.logprobs and s.greedy
-    assert sampling_for(comp(max_tokens=90), 10, 100, None, (), False).max_tokens == 90
+    assert sampling_for(comp(max_tokens=90), 10, 100, None, (), False, 256).max_tokens == 90
     for kw, plen in (({"max_tokens": 91}, 10), ({}, 100), ({}, 150)):
         with pytest.raises(APIError) as e:
-            sampling_for(comp(**kw), plen, 100, None, (), False)
+            sampling_for(comp(**kw), plen, 100, None, (), False, 256)
         assert e.value.status == 400 and e.value.code == "context_length_exceeded"
 
 
 def test_model_sampling_defaults_fill_only_what_the_request_left_unset() -> None:
     model = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20)
-    s = sampling_for(comp(), 10, 100, None, (0,), False, model)
+    s = sampling_for(comp(), 10, 100, None, (0,), False, 256, defaults=model)
     assert (s.temperature, s.top_p, s.top_k) == (0.6, 0.9, 20)
-    s = sampling_for(comp(temperature=1.0, top_k=0), 10, 100, None, (0,), False, model)  # sent, even as the API default
+    # sent, even as the API default
+    s = sampling_for(comp(temperature=1.0, top_k=0), 10, 100, None, (0,), False, 256, defaults=model)
     assert (s.temperature, s.top_p, s.top_k) == (1.0, 0.9, 0)
-    s = sampling_for(comp(temperature=0), 10, 100, None, (0,), False, SamplingDefaults(top_p=0.5))
+    s = sampling_for(comp(temperature=0), 10, 100, None, (0,), False, 256, defaults=SamplingDefaults(top_p=0.5))
     assert s.greedy and s.top_p == 0.5 and s.top_k == 0
-    s = sampling_for(comp(), 10, 100, None, (0,), False, SamplingDefaults())
+    s = sampling_for(comp(), 10, 100, None, (0,), False, 256, defaults=SamplingDefaults())
     assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)  # the model says nothing: the API's defaults
+
+
+def test_stop_token_ids_join_eos_unless_ignored() -> None:
+    s = sampling_for(comp(stop_token_ids=[7, 0]), 10, 100, None, (0,), False, 256)
+    assert s.stop_token_ids == (7, 0) and not s.ignore_eos
+    s = sampling_for(comp(stop_token_ids=[7], ignore_eos=True), 10, 100, None, (0,), False, 256)
+    assert s.stop_token_ids == (7,) and s.ignore_eos
+    with pytest.raises(APIError) as e:
+        sampling_for(comp(stop_token_ids=[256]), 10, 100, None, (0,), False, 256)
+    assert e.value.param == "stop_token_ids"
 
 
 def test_exception_mapping() -> None:
@@ -109,3 +120,32 @@ def test_exception_mapping() -> None:
     assert from_exception(ContextLengthError("too long")).code == "context_length_exceeded"
     err = from_exception(RuntimeError("secret detail"))
     assert err.status == 500 and "secret" not in err.message
+
+
+@pytest.mark.parametrize(("bad", "param"), [
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias.x.[key]"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"), ({"min_tokens": -1}, "min_tokens"),
+])
+def test_sampling_fields_are_validated(bad: dict[str, object], param: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        comp(**bad)
+    assert from_validation_errors(e.value.errors()).param == param
+
+
+def test_min_tokens_above_max_tokens_is_refused() -> None:
+    with pytest.raises(ValidationError):
+        comp(min_tokens=5, max_tokens=4)
+    assert comp(min_tokens=4, max_tokens=4).min_tokens == 4
+
+
+def test_sampling_fields_reach_the_params() -> None:
+    req = comp(logit_bias={"7": -100, "3": 5.5}, presence_penalty=0.5, frequency_penalty=-0.25,
+               repetition_penalty=1.2, min_p=0.1, min_tokens=2, top_k=4)
+    s = sampling_for(req, 10, 100, None, (0,), False, 256)
+    assert s.logit_bias == ((3, 5.5), (7, -100.0)) and s.min_tokens == 2 and s.top_k == 4
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -0.25, 1.2, 0.1)
+    with pytest.raises(APIError) as e:
+        sampling_for(comp(logit_bias={"256": 1}), 10, 100, None, (0,), False, 256)
+    assert e.value.param == "logit_bias"

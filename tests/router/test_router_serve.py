@@ -27,7 +27,7 @@ from router.app import Router
 from router.config import RouterConfig
 from router.replica_router import serve_router_config, with_routing_stats
 from tests.router import pd_fakes
-from tests.router.pd_fakes import FakeConfig, FakeDecode, FakePrefill, expected_text, fake_codec
+from tests.router.pd_fakes import FakeConfig, FakeDecode, FakePrefill, expected_text, fake_codec, successor
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -122,7 +122,7 @@ def test_stop_strings_never_emitted(client: openai.OpenAI) -> None:
 
 
 def test_eos_and_logprobs(client: openai.OpenAI) -> None:
-    r = client.completions.create(model=MODEL, prompt="EOSAT3", max_tokens=30, logprobs=1)
+    r = client.completions.create(model=MODEL, prompt="EOSAT3", max_tokens=30, logprobs=0)
     assert r.choices[0].text == "45" and r.choices[0].finish_reason == "stop"
     assert r.usage is not None and r.usage.completion_tokens == 3
     assert r.choices[0].logprobs is not None and r.choices[0].logprobs.token_logprobs == [-0.25] * 3
@@ -130,6 +130,74 @@ def test_eos_and_logprobs(client: openai.OpenAI) -> None:
     c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, logprobs=True)
     assert c.choices[0].logprobs is not None and c.choices[0].logprobs.content is not None
     assert [t.logprob for t in c.choices[0].logprobs.content] == [-0.25] * 3
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("n", 2), ("response_format", {"type": "json_object"}), ("tool_choice", "required"),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("use_beam_search", True), ("top_logprobs", 21),
+])
+def test_refused_fields_are_400_naming_them(client: openai.OpenAI, field: str, value: Any) -> None:
+    msgs: Any = [{"role": "user", "content": "x"}]
+    kw: dict[str, Any] = {field: value} if field != "use_beam_search" else {"extra_body": {field: value}}
+    if field == "top_logprobs":
+        kw["logprobs"] = True
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, **kw)
+    body: Any = e.value.body
+    assert e.value.status_code == 400 and body["param"] == field and field in body["message"]
+
+
+def test_vllm_extensions_and_metadata(client: openai.OpenAI) -> None:
+    extra = {"stop_token_ids": [ord("g")], "include_stop_str_in_output": True, "skip_special_tokens": True,
+             "top_k": 5, "ignore_eos": True, "some_vendor_knob": 1, "min_p": 0.1, "repetition_penalty": 1.2,
+             "min_tokens": 2}
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=30, user="u", extra_body=extra,
+                                  presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"65": 10})
+    assert r.choices[0].text == "defg" and r.choices[0].finish_reason == "stop"
+    msgs: Any = [{"role": "user", "content": "x"}]
+    c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, n=1, store=False,
+                                       metadata={"k": "v"}, tool_choice="none", parallel_tool_calls=True,
+                                       response_format={"type": "text"}, safety_identifier="s")
+    assert c.choices[0].finish_reason == "length"
+
+
+def test_tokenize_and_detokenize(base: str) -> None:
+    with httpx.Client(base_url=f"{base}/pd", headers=AUTH, timeout=30) as http:
+        r = http.post("/tokenize", json={"model": MODEL, "prompt": "abc", "return_token_strs": True})
+        assert r.status_code == 200
+        assert r.json() == {"count": 3, "max_model_len": MAX_LEN, "tokens": [97, 98, 99], "token_strs": list("abc")}
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert chat["tokens"] == [ord(c) for c in "<user>hi<assistant>"] and chat["token_strs"] is None
+        assert http.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
+        for path, body, param in (("/detokenize", {"tokens": [999]}, "tokens"),
+                                  ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+                                  ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+                                   "tools"),
+                                  ("/tokenize", {"prompt": 5}, "prompt")):
+            r = http.post(path, json=body)
+            assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, body)
+    assert httpx.post(f"{base}/pd/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401
+
+
+def test_top_logprobs(client: openai.OpenAI) -> None:
+    msgs: Any = [{"role": "user", "content": "x"}]
+    c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, logprobs=True, top_logprobs=2)
+    assert c.choices[0].logprobs is not None and c.choices[0].logprobs.content is not None
+    for tok in c.choices[0].logprobs.content:
+        t = ord(tok.token)
+        assert [(a.token, a.logprob, a.bytes) for a in tok.top_logprobs] == [
+            (chr(t), -0.25, [t]), (chr(successor(t)), -1.25, [successor(t)])]
+    streamed = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, logprobs=True,
+                                                   top_logprobs=1, stream=True))
+    tops = [e.top_logprobs for c in streamed for e in (c.choices[0].logprobs.content or [])  # type: ignore[union-attr]
+            if c.choices and c.choices[0].logprobs]
+    assert len(tops) == 3 and all(len(t) == 1 for t in tops)
+    r = client.completions.create(model=MODEL, prompt="abc", max_tokens=2, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs == [{"d": -0.25, "e": -1.25}, {"e": -0.25, "f": -1.25}]
+    with pytest.raises(openai.BadRequestError):  # top_logprobs needs logprobs
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, top_logprobs=2)
 
 
 def test_raw_sse_ends_with_done(base: str) -> None:

@@ -57,3 +57,14 @@ def test_every_split_of_the_text_gives_the_same_answer() -> None:
     for i in range(len(text) + 1):
         assert run(["<stop>", "zzz"], [text[:i], text[i:]]) == ("one two", "<stop>")
     assert run(["<stop>"], list(text)) == ("one two", "<stop>")
+
+
+def test_include_stop_returns_the_stop_string_and_nothing_after() -> None:
+    m = StopMatcher(["STOP", "TO"], include_stop=True)
+    assert m.feed("heS") + m.feed("TOP tail") + m.flush() == "heSTOP" and m.matched == "STOP"
+
+
+def test_unarmed_feed_lets_a_stop_pass_and_holds_a_possible_start() -> None:
+    m = StopMatcher(["xy"])
+    assert m.feed("axyx", armed=False) == "axy" and not m.finished  # "x" may start a stop: held
+    assert m.feed("yz") == "" and m.matched == "xy"
