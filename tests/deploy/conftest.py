@@ -20,6 +20,7 @@ import pytest
 
 from cluster.config import ClusterConfig, Environment
 from tests.deploy.ray_nodes import LocalRayCluster, free_port
+from tests.support.models import make_tiny_chat_model
 
 APP = "pd"
 KV_SECRET = "deploy-tests-kv-secret"  # fixed: a redeploy's new replicas must talk to the old ones
@@ -42,20 +43,6 @@ def app_args(model: Path, **decode: Any) -> dict[str, Any]:
         "kv": {"transport": "gloo", "host": "127.0.0.1", "timeout_s": 30},
         "limits": {"max_model_len": 4096, "token_timeout_s": 30},
     }
-
-
-def make_tiny_served_model(path: Path) -> Path:
-    """A 2-layer random Llama with SmolLM2's vocabulary next to the bundled model's tokenizer files."""
-    from engine.bundled import DEFAULT_MODEL, prepare_model
-    from tests.tiny_models import make_tiny
-
-    make_tiny("llama", path, seed=7, vocab_size=49152, hidden_size=64, intermediate_size=128,
-              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    bundled = prepare_model(DEFAULT_MODEL, progress=False)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(bundled / name, path / name)
-    return path
 
 
 @dataclass
@@ -102,7 +89,7 @@ def deployed() -> Iterator[Deployed]:
     root = Path(tempfile.mkdtemp(prefix="pdd", dir="/tmp"))  # short: Ray's socket paths live under it
     cluster = LocalRayCluster(root)
     try:
-        model = make_tiny_served_model(root / "tiny")
+        model = make_tiny_chat_model(root / "tiny", seed=7)
         cluster.start_head(1, labels={"pdserve.io/pool": "head"})
         cluster.connect()
         cluster.add_node("prefill", 1, {"prefill_node": 1}, {"pdserve.io/pool": "prefill"})

@@ -24,7 +24,7 @@ from ray import serve
 from cluster.app import compose_app
 from cluster.config import ClusterConfig, Environment
 from cluster.local import wait_ready
-from tests.helpers_models import make_tiny_chat_model
+from tests.support.models import make_tiny_chat_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 

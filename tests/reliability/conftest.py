@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.helpers_models import make_tiny_chat_model
+from tests.support.models import make_tiny_chat_model
 
 if TYPE_CHECKING:
     from tests.reliability.test_soak import SoakRun
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny random Llama folder with SmolLM2's tokenizer (see `tests.helpers_models`)."""
+    """A tiny random Llama folder with SmolLM2's tokenizer (see `tests.support.models`)."""
     return str(make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat") / "model"))
 
 

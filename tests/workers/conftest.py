@@ -22,7 +22,7 @@ from kv_transfer.outbox import Outbox
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.types import PrefillRequest
 from prefill_worker.worker import PrefillWorker
-from tests.tiny_models import make_tiny
+from tests.support.models import make_tiny
 
 EOS = 2
 
