@@ -27,8 +27,8 @@ from ray import cloudpickle, serve
 from cluster.app import compose_app
 from cluster.config import ClusterConfig, Environment
 from cluster.local import curl_example, wait_ready
-from tests.router import pd_fakes
-from tests.router.pd_fakes import FakeDecode, FakePrefill, expected_text, fake_codec
+from tests.support import pd_fakes
+from tests.support.pd_fakes import FakeDecode, FakePrefill, expected_text, fake_codec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -256,8 +256,7 @@ async def test_timed_out_or_cancelled_pull_leaves_nothing_hanging(how: str) -> N
 
 async def test_same_gpu_nccl_pair_is_refused_through_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     import kv_transfer.nccl as nccl_mod
-
-    from . import fake_cupy
+    from tests.support import fake_cupy
 
     monkeypatch.setattr(nccl_mod, "_cupy", fake_cupy.modules)
     monkeypatch.setattr(nccl_mod, "_current_device", lambda: torch.device("cpu"))

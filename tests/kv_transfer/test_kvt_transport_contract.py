@@ -18,7 +18,7 @@ from kv_transfer.transport import DEST_RANK, SOURCE_RANK, KVTransport, available
 pytestmark = pytest.mark.timeout(60)
 
 CPU_TRANSPORTS = ["local", "local-direct", "gloo"]
-#: nccl's own code over a CPU stand-in for cupy (fake_cupy.py); the real one runs in the gpu tests.
+#: nccl's own code over a CPU stand-in for cupy (tests/support/fake_cupy.py); the real one runs in the gpu tests.
 CONTRACT = [*CPU_TRANSPORTS, "nccl-on-fake-cupy"]
 POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="contract")
 
@@ -35,8 +35,7 @@ def both(f0: Callable[[], object], f1: Callable[[], object], timeout_s: float = 
 
 def fake_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
     import kv_transfer.nccl as nccl_mod
-
-    from . import fake_cupy
+    from tests.support import fake_cupy
 
     monkeypatch.setattr(nccl_mod, "_cupy", fake_cupy.modules)
     monkeypatch.setattr(nccl_mod, "_current_device", lambda: torch.device("cpu"))

@@ -50,12 +50,12 @@ def serve_base() -> Iterator[str]:
     import ray
     from ray import cloudpickle, serve
 
-    from tests.reliability import fakes, harness, replicas
-    from tests.router import pd_fakes
+    from tests.reliability import harness, replicas
+    from tests.support import pd_fakes, stuck_pools
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    for module in (pd_fakes, replicas, fakes):
+    for module in (pd_fakes, replicas, stuck_pools):
         cloudpickle.register_pickle_by_value(module)
     port = harness.free_port()
     try:
@@ -72,15 +72,15 @@ def serve_base() -> Iterator[str]:
 def fakes_url(serve_base: str, tiny_model: str) -> Iterator[str]:
     """``/fakes``: the real router with the tiny model's real tokenizer over fake pools.
 
-    The pools are `tests.reliability.fakes.HangingPrefill` / `StallingDecode` (the fakes of
-    `tests.router.pd_fakes`, 1 ms per token, plus the magic words HANG and STALL, which a test sends
+    The pools are `tests.support.stuck_pools.HangingPrefill` / `StallingDecode` (the fakes of
+    `tests.support.pd_fakes`, 1 ms per token, plus the magic words HANG and STALL, which a test sends
     as token ids: the fakes read prompts as code points); 256-token context, 1.5 s prefill and
     token timeouts. Shared by the HTTP fuzzers and the timeout tests: one deploy instead of two.
     """
     from cluster.app import compose_app
     from cluster.config import ClusterConfig
-    from tests.reliability.fakes import HangingPrefill, StallingDecode
     from tests.reliability.harness import FAKES_PREFILL_TIMEOUT_S, FAKES_TOKEN_TIMEOUT_S, cluster_args, deploy
+    from tests.support.stuck_pools import HangingPrefill, StallingDecode
 
     args = cluster_args(tiny_model, limits={"max_model_len": 256, "prefill_timeout_s": FAKES_PREFILL_TIMEOUT_S,
                                             "token_timeout_s": FAKES_TOKEN_TIMEOUT_S})

@@ -26,8 +26,8 @@ from ray import cloudpickle, serve
 from router.app import Router
 from router.config import RouterConfig
 from router.replica_router import serve_router_config, with_routing_stats
-from tests.router import pd_fakes
-from tests.router.pd_fakes import FakeConfig, FakeDecode, FakePrefill, expected_text, fake_codec
+from tests.support import pd_fakes
+from tests.support.pd_fakes import FakeConfig, FakeDecode, FakePrefill, expected_text, fake_codec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
