@@ -14,8 +14,20 @@ from collections.abc import Iterator
 
 import pytest
 
-from .kvt_helpers import SMOL
-from .kvt_procs import GetStats, Offer, Offered, Outcome, Proc, PullAll, Release, SourceReport, dest_main, source_main
+from tests.support.kv_caches import SMOL
+from tests.support.kv_procs import (
+    SOURCE,
+    GetStats,
+    Offer,
+    Offered,
+    Outcome,
+    Proc,
+    PullAll,
+    Release,
+    SourceReport,
+    dest_main,
+    source_main,
+)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 SOURCE_BLOCKS = 300
@@ -30,7 +42,8 @@ def procs() -> Iterator[dict[str, Proc]]:
         started["a"] = Proc(source_main, SMOL, SOURCE_BLOCKS, 1)
         started["b"] = Proc(source_main, SMOL, SOURCE_BLOCKS, 2)
         started["dest"] = Proc(dest_main, SMOL, DEST_BLOCKS)
-        started["doomed"] = Proc(source_main, SMOL, 70, 3, "gloo-stall")  # killed mid-transfer by a test
+        stalling = dataclasses.replace(SOURCE, transport="gloo-stall")
+        started["doomed"] = Proc(source_main, SMOL, 70, 3, stalling)  # killed mid-transfer by a test
         for p in started.values():
             p.ready()
         yield started

@@ -23,8 +23,7 @@ from kv_transfer.local import LocalTransport
 from kv_transfer.outbox import Outbox
 from kv_transfer.server import KVSource, SourceConfig
 from kv_transfer.transport import register_transport
-
-from .kvt_helpers import SECRET, SMOL, digest, make_cache
+from tests.support.kv_caches import SECRET, SMOL, digest, make_cache
 
 pytestmark = pytest.mark.timeout(60)
 LAYOUT = dataclasses.replace(SMOL, num_layers=4)  # small: these tests are about the protocol
