@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.conftest import Deployed
-from tests.deploy.ray_nodes import free_port
+from loadtests.bench_common import free_port
+from tests.support.multinode import Deployed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -18,8 +18,8 @@ import pytest
 
 from cluster.app import compose_app
 from cluster.config import ClusterConfig
-from tests.reliability.harness import StreamResult, cluster_args, completion_body, deploy, stream_request
-from tests.reliability.replicas import journaled_decode
+from tests.support.journaled_replicas import journaled_decode
+from tests.support.serve_harness import StreamResult, cluster_args, completion_body, deploy, stream_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -2,9 +2,9 @@
 
 The soak runs as a subprocess (``python -m loadtests.soak``) exactly as ``make soak`` does, but on a
 copy of ``deploy/local.yaml`` that serves the tiny model, for one minute at 2 requests/s with short
-outputs. To keep the package's wall time down, `start_soak` is called by a package fixture when
-the package starts (only if this test was collected), so the soak's minute overlaps the other
-tests; this test, which runs last, waits for it. It checks the JSON the soak writes (zero errors,
+outputs (`tests.support.soak_run`). To keep the package's wall time down, `start_soak` is called by
+a package fixture when the package starts (only if this test was collected), so the soak's minute
+overlaps the other tests; this test, which runs last, waits for it. It checks the JSON the soak writes (zero errors,
 per-minute figures, the RSS of every replica, books whole at idle) and that no process of the
 server the soak started outlives it.
 """
@@ -12,68 +12,14 @@ server the soak started outlives it.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 import pytest
-import yaml
+
+from tests.support.soak_run import SoakRun, start_soak
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class SoakRun:
-    """A running ``python -m loadtests.soak`` and what it will leave behind."""
-
-    proc: subprocess.Popen[bytes]
-    out: Path
-    log: Path
-    started: float = field(default_factory=time.monotonic)
-    before: set[int] = field(default_factory=set)  # pids that existed before it started
-
-    def wait(self, timeout_s: float) -> int:
-        try:
-            return self.proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - self.started)))
-        finally:
-            self.stop()
-
-    def stop(self) -> None:
-        """SIGTERM (the soak stops its server), then SIGKILL to everything it started."""
-        if self.proc.poll() is None:
-            descendants = psutil.Process(self.proc.pid).children(recursive=True)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                for p in [*descendants, psutil.Process(self.proc.pid)]:
-                    try:
-                        p.kill()
-                    except psutil.Error:
-                        pass
-                self.proc.wait(timeout=30)
-
-
-def start_soak(tiny_model: str, workdir: Path) -> SoakRun:
-    doc = yaml.safe_load((REPO / "deploy" / "local.yaml").read_text())
-    doc["applications"][0]["args"].update(model=tiny_model, served_model_name="tiny")
-    config = workdir / "soak-tiny.yaml"
-    config.write_text(yaml.safe_dump(doc))
-    out, log = workdir / "soak.json", workdir / "soak.log"
-    before = {p.pid for p in psutil.process_iter()}
-    cmd = [sys.executable, "-m", "loadtests.soak", "--config", str(config), "--minutes", "1", "--users", "2",
-           "--rate", "2", "--max-tokens", "16", "--out", str(out)]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "RAY_AUTH_MODE": "disabled"}, stdout=fh,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    return SoakRun(proc, out, log, before=before)
 
 
 def test_one_minute_soak_writes_its_report(background_soak: SoakRun | None, tiny_model: str, tmp_path: Path) -> None:

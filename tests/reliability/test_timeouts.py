@@ -28,9 +28,9 @@ from cluster.app import compose_app
 from cluster.config import ClusterConfig
 from kv_transfer.client import PullerConfig
 from kv_transfer.server import SourceConfig
-from tests.reliability.harness import FAKES_PREFILL_TIMEOUT_S as PREFILL_TIMEOUT_S
-from tests.reliability.harness import FAKES_TOKEN_TIMEOUT_S as TOKEN_TIMEOUT_S
-from tests.reliability.harness import StreamResult, cluster_args, completion_body, deploy, stream_request
+from tests.support.serve_harness import FAKES_PREFILL_TIMEOUT_S as PREFILL_TIMEOUT_S
+from tests.support.serve_harness import FAKES_TOKEN_TIMEOUT_S as TOKEN_TIMEOUT_S
+from tests.support.serve_harness import StreamResult, cluster_args, completion_body, deploy, stream_request
 from tests.support.stuck_pools import SilentSourcePrefill
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
