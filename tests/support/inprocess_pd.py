@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import InProcessImporter
+from decode_worker.types import DecodeRequest
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -53,8 +54,6 @@ class PD:
         if res.finished:
             assert res.handle is None
             return tokens, str(res.finish_reason)
-        from decode_worker.types import DecodeRequest
-
         assert res.handle is not None
         reason = ""
         req = DecodeRequest(req_id, tuple(prompt), params, first_token_id=res.token_id, handle=res.handle)
@@ -104,7 +103,7 @@ def make_colocated(path: Path, chunk: int, blocks: int = 256, stream_interval: i
     return DecodeWorker(eng, cfg, eos_token_ids=(EOS,))
 
 
-async def collect(worker: DecodeWorker, req) -> tuple[list[int], str, str | None]:
+async def collect(worker: DecodeWorker, req: DecodeRequest) -> tuple[list[int], str, str | None]:
     tokens: list[int] = []
     reason, error = "", None
     async for ev in worker.generate(req):
@@ -114,7 +113,7 @@ async def collect(worker: DecodeWorker, req) -> tuple[list[int], str, str | None
     return tokens, reason, error
 
 
-async def wait_until(pred, timeout: float = 10.0) -> None:
+async def wait_until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while not pred():
