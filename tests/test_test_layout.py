@@ -1,6 +1,6 @@
 """The test suite's own layout, read from the source: test folders mirror the packages, shared code
-lives in `tests.support`, and no test module imports another (a test module is not a library: what
-two tests share is support code, with a docstring saying what it owns)."""
+lives in `tests.support`, no test module imports another (a test module is not a library: what two
+tests share is support code, with a docstring saying what it owns), and no exception becomes a skip."""
 
 from __future__ import annotations
 
@@ -66,6 +66,33 @@ def test_shared_test_code_lives_in_tests_support() -> None:
             continue
         stray.append(str(rel))
     assert not stray, f"helper modules outside tests/support: {stray}"
+
+
+def skips_in_except_handlers(path: Path) -> list[str]:
+    """``file:line`` of each ``pytest.skip`` / ``importorskip`` / ``xfail`` called in an ``except`` block:
+    a skip there turns a failure into a skip (skips are for a named missing resource, checked up front)."""
+    bad = []
+    for handler in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(handler, ast.ExceptHandler):
+            continue
+        for node in ast.walk(handler):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("skip", "importorskip", "xfail")):
+                bad.append(f"{path}:{node.lineno}")
+    return bad
+
+
+def test_no_skip_turns_an_exception_into_a_skip() -> None:
+    bad = [b for path in sorted(TESTS.rglob("*.py")) for b in skips_in_except_handlers(path)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_skip_walker_sees_a_skip_in_an_except_block(tmp_path: Path) -> None:
+    src = tmp_path / "probe.py"
+    src.write_text("try:\n    load()\nexcept Exception as e:\n    if e:\n        pytest.skip(str(e))\n")
+    assert skips_in_except_handlers(src) == [f"{src}:5"]
+    src.write_text("if shutil.which('nginx') is None:\n    pytest.skip('needs nginx')\n")
+    assert skips_in_except_handlers(src) == []
 
 
 def test_the_walker_sees_every_form_of_import_of_a_test_module(tmp_path: Path) -> None:

@@ -29,8 +29,8 @@ PROMPT = list(range(100, 140))
 def nginx_binary() -> str:
     found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).is_file()), None)
     if found is None:
-        pytest.skip("nginx is not installed and could not be: scripts/ci-deps.sh installs it with apt-get "
-                    "(needs root or passwordless sudo, and network)")
+        pytest.skip("needs nginx, not installed here (scripts/ci-deps.sh installs it with apt-get: root or "
+                    "passwordless sudo, and network)")
     return found
 
 
