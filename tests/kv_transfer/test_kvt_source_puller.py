@@ -192,10 +192,9 @@ async def test_dead_source_fails_fast_and_stale_connections_recover() -> None:
         await check_pull(src, p, [2], [2], 10)
         h = src.server.offer(None, [3], 10)
         await src.server.stop()
-        t0 = time.monotonic()
-        with pytest.raises(TransferError):
-            await p.pull(h, make_cache(LAYOUT, 4), [0], timeout_s=10)
-        assert time.monotonic() - t0 < 5
+        with pytest.raises(TransferError) as failed:
+            await p.pull(h, make_cache(LAYOUT, 4), [0], timeout_s=60)
+        assert not isinstance(failed.value, TransferTimeout), repr(failed.value)  # refused, not waited out
         assert src.freed[3] == 1  # stop() released what was pending
     finally:
         await p.close()

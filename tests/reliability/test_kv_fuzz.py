@@ -206,15 +206,14 @@ def test_a_silent_or_partial_peer_is_dropped_at_the_handshake_timeout(procs: Pro
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.one_of(st.just(0), st.integers(MAX_MESSAGE_BYTES + 1, 2**32 - 1)))
 def test_huge_declared_lengths_are_refused_before_reading(procs: Procs, n: int) -> None:
-    t0 = time.monotonic()
     with Peer(procs.address) as peer:
         assert isinstance(peer.recv(), Challenge)
         peer.send_raw(HEADER.pack(n))  # and not one byte of the body it announces
         replies = peer.replies(HANDSHAKE_S + 3)
-    took = time.monotonic() - t0
     errs = errors(replies)
+    # refused on the header: a source that waited for the body would drop the peer at the handshake
+    # timeout, with no bad_request
     assert errs and errs[0].code == "bad_request" and "frame declares" in errs[0].reason, replies
-    assert took < HANDSHAKE_S, f"the source waited for a body it should have refused ({took:.2f} s)"
 
 
 _ids = st.from_regex(r"[A-Za-z0-9._:\-]{1,40}", fullmatch=True)
