@@ -120,12 +120,14 @@ def test_streamed_tokens_arrive_one_by_one_through_nginx(lb: str, deployed: Depl
     distinct = len({round(t, 3) for t in times})
     # Buffered by the proxy, every event would arrive together at the end: first ≈ last, few reads.
     assert first < 0.5 * last, f"first event at {first:.3f}s, last at {last:.3f}s"
-    assert distinct >= n // 10, f"{n} events arrived in only {distinct} distinct reads"
     # The same stream straight from Serve's proxy: same chunks, and through nginx the first one
-    # comes before the direct stream is even over.
+    # comes before the direct stream is even over. How many reads a stream takes depends on how busy
+    # the machine is, so nginx's count is judged against the direct stream's, not a fixed number.
     d0, direct, _ = stream_arrivals(deployed.base_url, n)
     assert [e["choices"][0]["text"] for _, e in events] == [e["choices"][0]["text"] for _, e in direct]
     assert first < direct[-1][0] - d0, (first, direct[-1][0] - d0)
+    direct_distinct = len({round(t, 3) for t, _ in direct})
+    assert distinct >= direct_distinct // 2, f"{distinct} reads through nginx, {direct_distinct} direct"
 
 
 def test_plain_requests_and_limits_through_nginx(lb: str, deployed: Deployed) -> None:
