@@ -13,44 +13,30 @@ TTFT / ITL events and errors by minute, sampling the resident memory of every Se
 
 Pass criteria (exit code 1 otherwise, the JSON is written either way): zero errors, and no replica
 whose RSS grew by 5% or more over its value at the end of the first minute (the first minute is
-warm-up: caches, allocator pools, the first long prompts). After the load the router's ``/metrics``
+warm-up: caches, allocator pools, the first long prompts); `judge_rss` is that judgement, a pure
+function (a run of one minute has nothing to judge it on). After the load the router's ``/metrics``
 books (KV blocks used, outbox pending, requests running / waiting) are recorded once they settle.
-SIGTERM unwinds like Ctrl-C: the server is stopped on the way out.
+SIGTERM unwinds like Ctrl-C: the server is stopped on the way out. Importing this module patches
+nothing: locust, which monkey-patches the standard library with gevent, is imported when a soak runs.
 """
 
 from __future__ import annotations
-
-# locust first: importing it monkey-patches the standard library with gevent, ssl included, which
-# must happen before httpx imports ssl.
-from locust import constant_throughput
-
-# isort: split
 
 import argparse
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import gevent
-import httpx
 import psutil
-from locust.env import Environment
 
-from loadtests.bench_common import (
-    RESULTS,
-    ServerProcess,
-    log,
-    result_doc,
-    summarize,
-    write_result,
-    yaml_config,
-)
-from loadtests.locustfile import StreamingChatUser
 from loadtests.schemas import SUMMARY
+
+if TYPE_CHECKING:
+    from loadtests.bench_common import ServerProcess
 
 PROFILE = "mixed"
 RSS_GROWTH_LIMIT = 0.05
@@ -149,20 +135,41 @@ def replica_rss_mib(server: ServerProcess) -> dict[str, float]:
     return dict(sorted(out.items()))
 
 
-def rss_growth(per_minute: Sequence[Minute]) -> dict[str, float | None]:
-    """Per replica: largest RSS after minute 1 relative to its RSS at the end of minute 1, in %."""
-    if not per_minute:
-        return {}
-    base = per_minute[0].rss_mib
-    out: dict[str, float | None] = {}
+@dataclass(frozen=True)
+class RssVerdict:
+    """The RSS judgement of a run: each replica's growth over minute 1, and those past the limit."""
+
+    growth_pct: dict[str, float | None]  # None: not judged (no sample after minute 1, or none in it)
+    max_growth_pct: float | None  # None: no replica could be judged
+    grown: tuple[str, ...]  # replicas whose RSS grew by the limit or more
+
+    @property
+    def passed(self) -> bool:
+        return not self.grown
+
+
+def judge_rss(rss_by_minute: Sequence[Mapping[str, float]], limit: float = RSS_GROWTH_LIMIT) -> RssVerdict:
+    """Judge per-minute RSS samples (replica → MiB at the end of each minute) against ``limit``.
+
+    A replica's growth is its largest RSS after minute 1 relative to its RSS at the end of minute 1,
+    in % (rounded to 0.01); it fails at ``100 * limit`` % or more. Replicas first seen after minute 1
+    (a restart: a new pid) and every replica of a one-minute run are not judged.
+    """
+    base = rss_by_minute[0] if rss_by_minute else {}
+    growth: dict[str, float | None] = {}
     for key, first in base.items():
-        later = [m.rss_mib[key] for m in per_minute[1:] if key in m.rss_mib]
-        out[key] = round(100.0 * (max(later) - first) / first, 2) if later and first else None
-    return out
+        later = [m[key] for m in rss_by_minute[1:] if key in m]
+        growth[key] = round(100.0 * (max(later) - first) / first, 2) if later and first else None
+    known = [g for g in growth.values() if g is not None]
+    grown = tuple(k for k, g in growth.items() if g is not None and g >= 100 * limit)
+    return RssVerdict(growth, max(known) if known else None, grown)
 
 
 def idle_books(base_url: str, timeout_s: float = 60.0) -> dict[str, float]:
     """The router's per-replica books once no request runs (KV blocks used, outbox pending, queues)."""
+    import gevent
+    import httpx
+
     names = ("kv_blocks_used", "kv_outbox_pending", "num_requests_running", "num_requests_waiting")
     deadline = time.monotonic() + timeout_s
     books: dict[str, float] = {}
@@ -182,7 +189,14 @@ def idle_books(base_url: str, timeout_s: float = 60.0) -> dict[str, float]:
 def run(config: Path, minutes: int, users: int, rate: float, max_tokens: int | None, out: Path,
         seed: int = 0) -> dict[str, Any]:
     """Start the server, soak it, stop it; returns the result document (also written to ``out``)."""
+    _import_locust_first()
+    import gevent
+    from locust import constant_throughput
+    from locust.env import Environment
+
     from cluster.config import ClusterConfig
+    from loadtests.bench_common import ServerProcess, log, result_doc, summarize, write_result, yaml_config
+    from loadtests.locustfile import StreamingChatUser
 
     cfg = ClusterConfig.from_yaml(config)
 
@@ -210,11 +224,10 @@ def run(config: Path, minutes: int, users: int, rate: float, max_tokens: int | N
             env.events.request.remove_listener(rec.on_request)
         books = idle_books(server.base_url)
 
-    growth = rss_growth(rec.buckets)
-    known = [g for g in growth.values() if g is not None]
+    rss = judge_rss([b.rss_mib for b in rec.buckets])
+    growth, max_growth = rss.growth_pct, rss.max_growth_pct
     errors = sum(b.errors for b in rec.buckets)
-    max_growth = max(known) if known else None
-    passed = errors == 0 and (max_growth is None or max_growth < 100 * RSS_GROWTH_LIMIT)
+    passed = errors == 0 and rss.passed
     results = {
         "requests": sum(b.requests for b in rec.buckets),
         "errors": errors,
@@ -239,7 +252,16 @@ def run(config: Path, minutes: int, users: int, rate: float, max_tokens: int | N
     return doc
 
 
+def _import_locust_first() -> None:
+    """Import locust before anything imports ssl: it monkey-patches the standard library with gevent,
+    ssl included, which must happen before httpx (or `loadtests.bench_common`) imports ssl."""
+    import locust  # noqa: F401
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _import_locust_first()
+    from loadtests.bench_common import RESULTS
+
     p = argparse.ArgumentParser(prog="python -m loadtests.soak", description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=Path("deploy/local.yaml"))
     p.add_argument("--minutes", type=int, default=10)

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,8 +26,9 @@ from ray import cloudpickle, serve
 from cluster.app import compose_app
 from cluster.config import ClusterConfig, Environment
 from cluster.local import curl_example, wait_ready
-from tests.router import pd_fakes
-from tests.router.pd_fakes import FakeDecode, FakePrefill, expected_text, fake_codec
+from loadtests.bench_common import free_port
+from tests.support import pd_fakes
+from tests.support.pd_fakes import FakeDecode, FakePrefill, expected_text, fake_codec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -56,19 +56,13 @@ class RecordingDecode(FakeDecode):
         return dataclasses.asdict(self._config)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def base() -> Iterator[str]:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     cloudpickle.register_pickle_by_value(pd_fakes)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         env = Environment(api_keys=("env-key",), kv_secret="shared-secret")

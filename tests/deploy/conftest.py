@@ -12,84 +12,14 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from cluster.config import ClusterConfig, Environment
-from tests.deploy.ray_nodes import LocalRayCluster, free_port
-
-APP = "pd"
-KV_SECRET = "deploy-tests-kv-secret"  # fixed: a redeploy's new replicas must talk to the old ones
-
-
-def app_args(model: Path, **decode: Any) -> dict[str, Any]:
-    """The tests' cluster config: every pool pinned to its node group."""
-    return {
-        "model": str(model), "served_model_name": "tiny", "mode": "disaggregated",
-        "engine": {"device": "cpu", "dtype": "float32", "block_size": 16, "num_threads": 1},
-        "prefill": {"num_cpus": 0.3, "num_blocks": 256, "max_batch_tokens": 1024,
-                    "placement": {"resources": {"prefill_node": 0.01},
-                                  "label_selector": {"pdserve.io/pool": "prefill"}},
-                    "drain": {"wait_loop_s": 0.2, "timeout_s": 20}},
-        "decode": {"num_cpus": 0.3, "num_blocks": 512,
-                   "placement": {"resources": {"decode_node": 0.01}},
-                   "drain": {"wait_loop_s": 0.2, "timeout_s": 60}, **decode},
-        "router": {"num_cpus": 0.1, "placement": {"label_selector": {"pdserve.io/pool": "head"}},
-                   "drain": {"wait_loop_s": 0.2, "timeout_s": 60}},
-        "kv": {"transport": "gloo", "host": "127.0.0.1", "timeout_s": 30},
-        "limits": {"max_model_len": 4096, "token_timeout_s": 30},
-    }
-
-
-def make_tiny_served_model(path: Path) -> Path:
-    """A 2-layer random Llama with SmolLM2's vocabulary next to the bundled model's tokenizer files."""
-    from engine.bundled import DEFAULT_MODEL, prepare_model
-    from tests.tiny_models import make_tiny
-
-    make_tiny("llama", path, seed=7, vocab_size=49152, hidden_size=64, intermediate_size=128,
-              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    bundled = prepare_model(DEFAULT_MODEL, progress=False)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(bundled / name, path / name)
-    return path
-
-
-@dataclass
-class Deployed:
-    cluster: LocalRayCluster
-    base_url: str
-    http_port: int
-    model: Path
-
-    def deploy(self, args: dict[str, Any]) -> None:
-        from ray import serve
-
-        from cluster.app import compose_app
-
-        cfg = ClusterConfig.from_args(args, Environment(kv_secret=KV_SECRET))
-        serve.run(compose_app(cfg), name=APP, route_prefix="/", blocking=False)
-        wait_running()
-
-
-def wait_running(timeout_s: float = 120.0) -> None:
-    import time
-
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    status = None
-    while time.monotonic() < deadline:
-        status = serve.status().applications.get(APP)
-        if status is not None and status.status == "RUNNING":
-            return
-        if status is not None and status.status == "DEPLOY_FAILED":
-            raise RuntimeError(f"deploy failed: {status.message}")
-        time.sleep(0.25)
-    raise TimeoutError(f"app {APP} not RUNNING within {timeout_s:g} s: {status}")
+from loadtests.bench_common import free_port
+from tests.support.models import make_tiny_chat_model
+from tests.support.multinode import Deployed, app_args
+from tests.support.ray_nodes import LocalRayCluster
 
 
 @pytest.fixture(scope="package")
@@ -102,7 +32,7 @@ def deployed() -> Iterator[Deployed]:
     root = Path(tempfile.mkdtemp(prefix="pdd", dir="/tmp"))  # short: Ray's socket paths live under it
     cluster = LocalRayCluster(root)
     try:
-        model = make_tiny_served_model(root / "tiny")
+        model = make_tiny_chat_model(root / "tiny", seed=7)
         cluster.start_head(1, labels={"pdserve.io/pool": "head"})
         cluster.connect()
         cluster.add_node("prefill", 1, {"prefill_node": 1}, {"pdserve.io/pool": "prefill"})

@@ -17,8 +17,7 @@ from engine.engine import Engine
 from engine.generate import generate
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
-from tests.deploy.conftest import APP, Deployed, app_args
-from tests.deploy.test_multinode import completion
+from tests.support.multinode import APP, Deployed, app_args, completion
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -3,11 +3,9 @@ from the prefill node to the decode node over gloo, and greedy HTTP outputs equa
 
 from __future__ import annotations
 
-import json
 import random
 from typing import Any
 
-import httpx
 import pytest
 
 from engine.config import EngineConfig
@@ -15,7 +13,7 @@ from engine.engine import Engine
 from engine.generate import generate
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
-from tests.deploy.conftest import APP, Deployed
+from tests.support.multinode import APP, Deployed, completion
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -35,27 +33,6 @@ def nodes_by_id() -> dict[str, dict[str, Any]]:
     import ray
 
     return {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
-
-
-def completion(base: str, prompt: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "logprobs": 1, "stream": stream}
-    if not stream:
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-    tokens: list[str] = []
-    text: list[str] = []
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                (choice,) = chunk["choices"]
-                text.append(choice["text"])
-                tokens += choice["logprobs"]["tokens"]
-    return {"choices": [{"text": "".join(text), "logprobs": {"tokens": tokens}}]}
 
 
 def test_each_pool_runs_on_its_node_group(deployed: Deployed) -> None:

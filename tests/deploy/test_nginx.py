@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.conftest import Deployed
-from tests.deploy.ray_nodes import free_port
+from loadtests.bench_common import free_port
+from tests.support.multinode import Deployed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -29,8 +29,8 @@ PROMPT = list(range(100, 140))
 def nginx_binary() -> str:
     found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).is_file()), None)
     if found is None:
-        pytest.skip("nginx is not installed and could not be: scripts/ci-deps.sh installs it with apt-get "
-                    "(needs root or passwordless sudo, and network)")
+        pytest.skip("needs nginx, not installed here (scripts/ci-deps.sh installs it with apt-get: root or "
+                    "passwordless sudo, and network)")
     return found
 
 
@@ -120,12 +120,14 @@ def test_streamed_tokens_arrive_one_by_one_through_nginx(lb: str, deployed: Depl
     distinct = len({round(t, 3) for t in times})
     # Buffered by the proxy, every event would arrive together at the end: first ≈ last, few reads.
     assert first < 0.5 * last, f"first event at {first:.3f}s, last at {last:.3f}s"
-    assert distinct >= n // 10, f"{n} events arrived in only {distinct} distinct reads"
     # The same stream straight from Serve's proxy: same chunks, and through nginx the first one
-    # comes before the direct stream is even over.
+    # comes before the direct stream is even over. How many reads a stream takes depends on how busy
+    # the machine is, so nginx's count is judged against the direct stream's, not a fixed number.
     d0, direct, _ = stream_arrivals(deployed.base_url, n)
     assert [e["choices"][0]["text"] for _, e in events] == [e["choices"][0]["text"] for _, e in direct]
     assert first < direct[-1][0] - d0, (first, direct[-1][0] - d0)
+    direct_distinct = len({round(t, 3) for t, _ in direct})
+    assert distinct >= direct_distinct // 2, f"{distinct} reads through nginx, {direct_distinct} direct"
 
 
 def test_plain_requests_and_limits_through_nginx(lb: str, deployed: Deployed) -> None:

@@ -9,7 +9,7 @@ import pytest
 from cluster.app import compose_app
 from cluster.config import ClusterConfig, ConfigError, Environment
 from cluster.placement import Demand, NodeGroup, pack, parse_selector, selector_matches
-from tests.router.pd_fakes import FakeDecode, FakePrefill, fake_codec
+from tests.support.pd_fakes import FakeDecode, FakePrefill, fake_codec
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +25,7 @@ from engine.engine import Engine
 from engine.generate import generate
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
+from loadtests.bench_common import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -33,12 +33,6 @@ CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}],
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _args(mode: str) -> dict[str, Any]:
@@ -64,7 +58,7 @@ def cluster() -> Iterator[str]:
     prepare_model(DEFAULT_MODEL, progress=False)
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(compose_app(ClusterConfig.from_args(_args("disaggregated"))), name="pd", route_prefix="/pd")

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.bundled import DEFAULT_MODEL, prepare_model
+from tests.support.models import bundled_tokenizer_dir
 
 
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
     """Hugging Face folder of the bundled SmolLM2-135M-Instruct (fp32 safetensors + tokenizer)."""
-    return prepare_model(DEFAULT_MODEL, progress=False)
+    return bundled_tokenizer_dir()

@@ -20,8 +20,8 @@ from engine.attention_choice import AttentionChoice, choose_decode_attention, co
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.runner import DecodeSeq
-from tests.markers import needs_cxx
-from tests.tiny_models import make_tiny
+from tests.support.markers import needs_cxx
+from tests.support.models import make_tiny
 
 
 def test_pinned_eager_method_is_not_timed() -> None:

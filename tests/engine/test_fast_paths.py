@@ -22,8 +22,8 @@ from engine.model import LlamaModel
 from engine.quant import Linear, PackedLinear, make_linear, onednn_packing_available
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from engine.weights import load_weights
-from tests.markers import needs_cxx
-from tests.tiny_models import make_tiny
+from tests.support.markers import needs_cxx
+from tests.support.models import make_tiny
 
 BLOCK = 8
 METHODS = [pytest.param(m, marks=needs_cxx) if m in ("compiled", "native") else m for m in attention.DECODE_METHODS]

@@ -15,7 +15,7 @@ from engine.errors import ModelLoadError
 from engine.generation_config import GenerationConfig
 from engine.sampling import SamplingDefaults
 from engine.tokenizer import Tokenizer
-from tests.bos_tokenizer import make_bos_tokenizer_dir
+from tests.support.bos_tokenizer import make_bos_tokenizer_dir
 
 
 def write(folder: Path, config: dict[str, object], generation: dict[str, object] | None) -> Path:

@@ -25,8 +25,7 @@ from engine.errors import ModelLoadError
 from engine.hub import METADATA_FILES, is_hub_id
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
-from tests.helpers_models import bundled_tokenizer_dir
-from tests.tiny_models import make_tiny
+from tests.support.models import bundled_tokenizer_dir, make_tiny
 
 REPO = "tiny-org/Tiny-Llama"
 REV = "0123456789abcdef0123456789abcdef01234567"

@@ -14,8 +14,8 @@ from engine.engine import Engine
 from engine.kernel_choice import TIMED_ROWS, build_linears, formats, time_formats
 from engine.native_linear import NativeLinear, native_linear_error
 from engine.quant import Int8Linear, Linear, PackedLinear, UpcastLinear, onednn_packing_available
-from tests.markers import needs_cxx
-from tests.tiny_models import make_tiny
+from tests.support.markers import needs_cxx
+from tests.support.models import make_tiny
 
 needs_onednn = pytest.mark.skipif(not onednn_packing_available(torch.float32), reason="no oneDNN weight packing")
 

@@ -10,7 +10,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.runner import DecodeSeq, PrefillChunk
-from tests.tiny_models import make_tiny
+from tests.support.models import make_tiny
 
 ATOL = 1e-4
 

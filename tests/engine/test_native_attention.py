@@ -22,8 +22,8 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.native_attention import NativeUnavailable, native_error, native_paged_attention
 from engine.runner import DecodeSeq, PrefillChunk
-from tests.markers import needs_cxx
-from tests.tiny_models import make_tiny
+from tests.support.markers import needs_cxx
+from tests.support.models import make_tiny
 
 
 @pytest.fixture

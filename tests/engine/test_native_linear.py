@@ -20,7 +20,7 @@ from engine import kernel_choice, native_linear
 from engine.kernel_choice import build_linears
 from engine.native_linear import NativeLinear, native_applies
 from engine.quant import Int8Linear, Linear, PackedLinear, make_linear, onednn_packing_available
-from tests.markers import needs_cxx
+from tests.support.markers import needs_cxx
 
 EPS = 1e-5
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.native_prefill import native_prefill_applies, native_prefill_attention
-from tests.markers import needs_cxx
+from tests.support.markers import needs_cxx
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,

@@ -9,7 +9,7 @@ import torch
 from engine.attention import write_kv
 from engine.native_rope import RopeStore
 from engine.rope import RotaryEmbedding
-from tests.markers import needs_cxx
+from tests.support.markers import needs_cxx
 
 H, KV, D, P = 6, 2, 16, 64
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from engine import native_rows
 from engine.native_rows import glu, rms_norm
-from tests.markers import needs_cxx
+from tests.support.markers import needs_cxx
 
 EPS = 1e-5
 

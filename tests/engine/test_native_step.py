@@ -20,8 +20,8 @@ from engine.model import LlamaModel
 from engine.native_rope import RopeStore
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from engine.weights import load_weights
-from tests.markers import needs_cxx
-from tests.tiny_models import make_tiny
+from tests.support.markers import needs_cxx
+from tests.support.models import make_tiny
 
 pytestmark = needs_cxx
 BLOCK = 8

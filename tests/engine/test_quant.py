@@ -15,7 +15,7 @@ from engine.native_linear import NativeLinear
 from engine.quant import Int8Linear, dequantize_int8, make_linear, quantize_int8
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from engine.weights import load_weights
-from tests.tiny_models import make_tiny
+from tests.support.models import make_tiny
 
 
 def test_quantize_error_bound_and_range() -> None:

@@ -10,7 +10,7 @@ import pytest
 import engine.engine as engine_mod
 from engine.config import EngineConfig
 from engine.engine import Engine
-from tests.tiny_models import make_tiny
+from tests.support.models import make_tiny
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,7 +2,7 @@
 
 Oracle: transformers' ``PreTrainedTokenizerFast`` on the same files (``tokenizer(text)`` for a
 completion prompt, the rendered template encoded without special tokens for a chat, as vLLM does).
-One tokenizer adds BOS (Llama-3 style, `tests.bos_tokenizer`), the bundled SmolLM2 adds nothing.
+One tokenizer adds BOS (Llama-3 style, `tests.support.bos_tokenizer`), the bundled SmolLM2 adds nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import transformers
 
 from engine.tokenizer import Tokenizer
-from tests.bos_tokenizer import BOS, BOS_ID, make_bos_tokenizer_dir
+from tests.support.bos_tokenizer import BOS, BOS_ID, make_bos_tokenizer_dir
 
 TEXTS = ["Hello, world!", " leading space", "I ❤️ 🦙s", "<|im_start|>user\nhi<|im_end|>\n", "a"]
 

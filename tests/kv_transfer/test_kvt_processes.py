@@ -14,8 +14,20 @@ from collections.abc import Iterator
 
 import pytest
 
-from .kvt_helpers import SMOL
-from .kvt_procs import GetStats, Offer, Offered, Outcome, Proc, PullAll, Release, SourceReport, dest_main, source_main
+from tests.support.kv_caches import SMOL
+from tests.support.kv_procs import (
+    SOURCE,
+    GetStats,
+    Offer,
+    Offered,
+    Outcome,
+    Proc,
+    PullAll,
+    Release,
+    SourceReport,
+    dest_main,
+    source_main,
+)
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 SOURCE_BLOCKS = 300
@@ -30,7 +42,8 @@ def procs() -> Iterator[dict[str, Proc]]:
         started["a"] = Proc(source_main, SMOL, SOURCE_BLOCKS, 1)
         started["b"] = Proc(source_main, SMOL, SOURCE_BLOCKS, 2)
         started["dest"] = Proc(dest_main, SMOL, DEST_BLOCKS)
-        started["doomed"] = Proc(source_main, SMOL, 70, 3, "gloo-stall")  # killed mid-transfer by a test
+        stalling = dataclasses.replace(SOURCE, transport="gloo-stall")
+        started["doomed"] = Proc(source_main, SMOL, 70, 3, stalling)  # killed mid-transfer by a test
         for p in started.values():
             p.ready()
         yield started
@@ -101,10 +114,10 @@ def test_killed_source_fails_the_pull_in_time_and_others_still_work(procs: dict[
         procs["dest"].send(PullAll((o.handle,), timeout_s=10.0, transport="gloo-stall"))
         time.sleep(0.8)  # the source stalls for 3 s with half of the layers sent
         doomed.kill()
-        t0 = time.monotonic()
         (r,) = procs["dest"].recv(20)
-        assert r.error == "TransferError", r  # the control channel's EOF or gloo itself, whichever is first
-        assert r.seconds < 10.5 and time.monotonic() - t0 < 5  # well within the pull's timeout
+        # the control channel's EOF or gloo itself, whichever is first; not the pull's 10 s timeout
+        # (that would be TransferTimeout)
+        assert r.error == "TransferError", r
     finally:
         doomed.stop()
     offers = offer(procs["a"], 1000)

@@ -23,8 +23,7 @@ from kv_transfer.local import LocalTransport
 from kv_transfer.outbox import Outbox
 from kv_transfer.server import KVSource, SourceConfig
 from kv_transfer.transport import register_transport
-
-from .kvt_helpers import SECRET, SMOL, digest, make_cache
+from tests.support.kv_caches import SECRET, SMOL, digest, make_cache
 
 pytestmark = pytest.mark.timeout(60)
 LAYOUT = dataclasses.replace(SMOL, num_layers=4)  # small: these tests are about the protocol
@@ -193,10 +192,9 @@ async def test_dead_source_fails_fast_and_stale_connections_recover() -> None:
         await check_pull(src, p, [2], [2], 10)
         h = src.server.offer(None, [3], 10)
         await src.server.stop()
-        t0 = time.monotonic()
-        with pytest.raises(TransferError):
-            await p.pull(h, make_cache(LAYOUT, 4), [0], timeout_s=10)
-        assert time.monotonic() - t0 < 5
+        with pytest.raises(TransferError) as failed:
+            await p.pull(h, make_cache(LAYOUT, 4), [0], timeout_s=60)
+        assert not isinstance(failed.value, TransferTimeout), repr(failed.value)  # refused, not waited out
         assert src.freed[3] == 1  # stop() released what was pending
     finally:
         await p.close()
@@ -256,8 +254,7 @@ async def test_timed_out_or_cancelled_pull_leaves_nothing_hanging(how: str) -> N
 
 async def test_same_gpu_nccl_pair_is_refused_through_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     import kv_transfer.nccl as nccl_mod
-
-    from . import fake_cupy
+    from tests.support import fake_cupy
 
     monkeypatch.setattr(nccl_mod, "_cupy", fake_cupy.modules)
     monkeypatch.setattr(nccl_mod, "_current_device", lambda: torch.device("cpu"))

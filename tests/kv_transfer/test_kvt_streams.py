@@ -10,8 +10,7 @@ import torch
 from kv_transfer.blocks import block_runs, direct_views, run_lengths, source_tensors
 from kv_transfer.errors import TransferError
 from kv_transfer.streams import BufferPool, GatherStream, ScatterStream, size_class
-
-from .kvt_helpers import SMOL, digest, make_cache
+from tests.support.kv_caches import SMOL, digest, make_cache
 
 LAYOUT = dataclasses.replace(SMOL, num_layers=5)
 

@@ -118,7 +118,7 @@ def test_summarize_nearest_rank() -> None:
 
 def test_profile_prompts_have_their_token_counts() -> None:
     from engine.tokenizer import Tokenizer
-    from tests.helpers_models import bundled_tokenizer_dir
+    from tests.support.models import bundled_tokenizer_dir
 
     tok = Tokenizer.from_dir(bundled_tokenizer_dir())
     assert len(tok.encode_chat([{"role": "user", "content": "x"}], add_generation_prompt=True)) == \

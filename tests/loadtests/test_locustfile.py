@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,18 +23,13 @@ from ray import serve
 from cluster.app import compose_app
 from cluster.config import ClusterConfig, Environment
 from cluster.local import wait_ready
-from tests.helpers_models import make_tiny_chat_model
+from loadtests.bench_common import free_port
+from tests.support.models import make_tiny_chat_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
 REPO = Path(__file__).resolve().parents[2]
 SERVED = "tiny-chat"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +45,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     }, Environment())
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(compose_app(cfg), name="lt", route_prefix="/")

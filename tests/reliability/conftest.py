@@ -10,19 +10,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.helpers_models import make_tiny_chat_model
-
-if TYPE_CHECKING:
-    from tests.reliability.test_soak import SoakRun
+from tests.support.models import make_tiny_chat_model
+from tests.support.soak_run import SoakRun, start_soak
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny random Llama folder with SmolLM2's tokenizer (see `tests.helpers_models`)."""
+    """A tiny random Llama folder with SmolLM2's tokenizer (see `tests.support.models`)."""
     return str(make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat") / "model"))
 
 
@@ -35,8 +32,6 @@ def background_soak(request: pytest.FixtureRequest, tiny_model: str,
     if not any(item.path == here / "test_soak.py" for item in request.session.items):
         yield None
         return
-    from tests.reliability.test_soak import start_soak
-
     run = start_soak(tiny_model, tmp_path_factory.mktemp("soak"))
     try:
         yield run
@@ -50,14 +45,14 @@ def serve_base() -> Iterator[str]:
     import ray
     from ray import cloudpickle, serve
 
-    from tests.reliability import fakes, harness, replicas
-    from tests.router import pd_fakes
+    from loadtests.bench_common import free_port
+    from tests.support import journaled_replicas, pd_fakes, stuck_pools
 
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    for module in (pd_fakes, replicas, fakes):
+    for module in (pd_fakes, journaled_replicas, stuck_pools):
         cloudpickle.register_pickle_by_value(module)
-    port = harness.free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
@@ -72,15 +67,15 @@ def serve_base() -> Iterator[str]:
 def fakes_url(serve_base: str, tiny_model: str) -> Iterator[str]:
     """``/fakes``: the real router with the tiny model's real tokenizer over fake pools.
 
-    The pools are `tests.reliability.fakes.HangingPrefill` / `StallingDecode` (the fakes of
-    `tests.router.pd_fakes`, 1 ms per token, plus the magic words HANG and STALL, which a test sends
+    The pools are `tests.support.stuck_pools.HangingPrefill` / `StallingDecode` (the fakes of
+    `tests.support.pd_fakes`, 1 ms per token, plus the magic words HANG and STALL, which a test sends
     as token ids: the fakes read prompts as code points); 256-token context, 1.5 s prefill and
     token timeouts. Shared by the HTTP fuzzers and the timeout tests: one deploy instead of two.
     """
     from cluster.app import compose_app
     from cluster.config import ClusterConfig
-    from tests.reliability.fakes import HangingPrefill, StallingDecode
-    from tests.reliability.harness import FAKES_PREFILL_TIMEOUT_S, FAKES_TOKEN_TIMEOUT_S, cluster_args, deploy
+    from tests.support.serve_harness import FAKES_PREFILL_TIMEOUT_S, FAKES_TOKEN_TIMEOUT_S, cluster_args, deploy
+    from tests.support.stuck_pools import HangingPrefill, StallingDecode
 
     args = cluster_args(tiny_model, limits={"max_model_len": 256, "prefill_timeout_s": FAKES_PREFILL_TIMEOUT_S,
                                             "token_timeout_s": FAKES_TOKEN_TIMEOUT_S})

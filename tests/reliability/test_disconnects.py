@@ -28,7 +28,7 @@ from ray import serve
 
 from cluster.app import compose_app
 from cluster.config import ClusterConfig
-from tests.reliability.harness import (
+from tests.support.serve_harness import (
     StreamResult,
     cluster_args,
     completion_body,

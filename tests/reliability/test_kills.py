@@ -3,7 +3,7 @@
 One app for the module: 2 journaled prefill replicas (0.3 s before each prefill, so a kill lands on
 requests waiting for token 0) and 2 journaled decode replicas (20 ms between streamed events, so
 streams are long enough to be cut), real tiny model, KV over gloo. The journals
-(`tests.reliability.replicas`) say which replica saw which request, so the test knows exactly which
+(`tests.support.journaled_replicas`) say which replica saw which request, so the test knows exactly which
 requests were in flight on the victim.
 """
 
@@ -22,7 +22,8 @@ import pytest
 
 from cluster.app import compose_app
 from cluster.config import ClusterConfig
-from tests.reliability.harness import (
+from tests.support.journaled_replicas import journaled_decode, journaled_prefill, read_journals
+from tests.support.serve_harness import (
     StreamResult,
     cluster_args,
     completion_body,
@@ -31,7 +32,6 @@ from tests.reliability.harness import (
     running_replicas,
     stream_request,
 )
-from tests.reliability.replicas import journaled_decode, journaled_prefill, read_journals
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -13,6 +13,7 @@ allow (frames over the maximum are refused from the 4-byte length, before any bo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 import socket
 import struct
@@ -47,9 +48,8 @@ from kv_transfer.messages import (
 from kv_transfer.server import MAX_HELLO_BYTES, SourceConfig
 from kv_transfer.transport import TransportInfo
 from kv_transfer.wire import pack
-from tests.kv_transfer.kvt_helpers import SECRET
-from tests.kv_transfer.kvt_procs import GetStats, Offer, Offered, Proc, PullAll, SourceReport, dest_main
-from tests.reliability.kv_source_proc import source_main
+from tests.support.kv_caches import SECRET
+from tests.support.kv_procs import GetStats, Offer, Offered, Proc, PullAll, SourceReport, dest_main, source_main
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -84,7 +84,7 @@ class Procs:
 def procs() -> Iterator[Procs]:
     started: list[Proc] = []
     try:
-        source = Proc(source_main, LAYOUT, 128, 7, CONFIG)
+        source = Proc(source_main, LAYOUT, 128, 7, CONFIG, 60.0, logging.ERROR)  # quiet: a warning per bad peer
         started.append(source)
         dest = Proc(dest_main, LAYOUT, 128)
         started.append(dest)
@@ -206,15 +206,14 @@ def test_a_silent_or_partial_peer_is_dropped_at_the_handshake_timeout(procs: Pro
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.one_of(st.just(0), st.integers(MAX_MESSAGE_BYTES + 1, 2**32 - 1)))
 def test_huge_declared_lengths_are_refused_before_reading(procs: Procs, n: int) -> None:
-    t0 = time.monotonic()
     with Peer(procs.address) as peer:
         assert isinstance(peer.recv(), Challenge)
         peer.send_raw(HEADER.pack(n))  # and not one byte of the body it announces
         replies = peer.replies(HANDSHAKE_S + 3)
-    took = time.monotonic() - t0
     errs = errors(replies)
+    # refused on the header: a source that waited for the body would drop the peer at the handshake
+    # timeout, with no bad_request
     assert errs and errs[0].code == "bad_request" and "frame declares" in errs[0].reason, replies
-    assert took < HANDSHAKE_S, f"the source waited for a body it should have refused ({took:.2f} s)"
 
 
 _ids = st.from_regex(r"[A-Za-z0-9._:\-]{1,40}", fullmatch=True)

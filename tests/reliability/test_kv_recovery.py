@@ -1,6 +1,6 @@
 """The router's one-time rebuild of a lost prompt KV (`router.generation`), without Ray.
 
-`Generation` over the in-process handle stand-ins of `tests.router.test_router_generation`: a decode
+`Generation` over the in-process handle stand-ins of `tests.support.fake_handles`: a decode
 replica that reports ``KV_LOST`` (its pull failed: the prefill replica died, the lease ran out)
 before any decode token makes the router prefill again and resubmit once; the client's stream is
 the same text it would have been. A second loss, or a loss after decode tokens, is an error.
@@ -17,8 +17,8 @@ from engine.sampling import SamplingParams
 from router.backends import Backends
 from router.generation import Generation, GenerationInput, StreamError
 from router.metrics import RouterMetrics
-from tests.router.pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_text
-from tests.router.test_router_generation import FakeHandle
+from tests.support.fake_handles import FakeHandle
+from tests.support.pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_text
 
 pytestmark = pytest.mark.timeout(30)
 

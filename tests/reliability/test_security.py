@@ -32,8 +32,8 @@ from kv_transfer.layout import KVLayout
 from router.app import Router
 from router.config import RouterConfig
 from router.errors import APIError
-from tests.kv_transfer.kvt_helpers import make_cache
-from tests.reliability.harness import cluster_args, deploy, listening_sockets
+from tests.support.kv_caches import make_cache
+from tests.support.serve_harness import cluster_args, deploy, listening_sockets
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

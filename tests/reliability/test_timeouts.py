@@ -10,7 +10,7 @@
   failing the same way, ends the stream with a "KV transfer failed" error event: within twice
   the timeout.
 
-Misbehaving replicas come from `tests.reliability.fakes`, injected through `compose_app` (the
+Misbehaving replicas come from `tests.support.stuck_pools`, injected through `compose_app` (the
 first two run on the package's ``fakes`` app, see ``conftest.py``).
 """
 
@@ -28,10 +28,10 @@ from cluster.app import compose_app
 from cluster.config import ClusterConfig
 from kv_transfer.client import PullerConfig
 from kv_transfer.server import SourceConfig
-from tests.reliability.fakes import SilentSourcePrefill
-from tests.reliability.harness import FAKES_PREFILL_TIMEOUT_S as PREFILL_TIMEOUT_S
-from tests.reliability.harness import FAKES_TOKEN_TIMEOUT_S as TOKEN_TIMEOUT_S
-from tests.reliability.harness import StreamResult, cluster_args, completion_body, deploy, stream_request
+from tests.support.serve_harness import FAKES_PREFILL_TIMEOUT_S as PREFILL_TIMEOUT_S
+from tests.support.serve_harness import FAKES_TOKEN_TIMEOUT_S as TOKEN_TIMEOUT_S
+from tests.support.serve_harness import StreamResult, cluster_args, completion_body, deploy, stream_request
+from tests.support.stuck_pools import SilentSourcePrefill
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

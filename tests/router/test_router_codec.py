@@ -1,6 +1,6 @@
 """`EngineTextCodec` over the bundled model's real tokenizer (the project installs the model: a
 missing one is a failed install, not a skip), and over a tokenizer whose post-processor adds BOS
-(`tests.bos_tokenizer`) through both endpoints' prompt building."""
+(`tests.support.bos_tokenizer`) through both endpoints' prompt building."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from router.codec import EngineTextCodec, TextCodec, load_codec
 from router.config import RouterConfig
 from router.prompt import chat_prompt, completion_prompt, sampling_for
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from tests.bos_tokenizer import BOS, BOS_ID, make_bos_tokenizer_dir
+from tests.support.bos_tokenizer import BOS, BOS_ID, make_bos_tokenizer_dir
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,7 @@ from engine.sampling import SamplingDefaults
 from router.errors import APIError, from_exception, from_validation_errors, queue_full
 from router.prompt import chat_prompt, completion_prompt, sampling_for
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from tests.router.pd_fakes import FakeCodec
+from tests.support.pd_fakes import FakeCodec
 
 pytestmark = pytest.mark.timeout(30)
 CODEC = FakeCodec()

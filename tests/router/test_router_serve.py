@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -23,11 +22,12 @@ import pytest
 import ray
 from ray import cloudpickle, serve
 
+from loadtests.bench_common import free_port
 from router.app import Router
 from router.config import RouterConfig
 from router.replica_router import serve_router_config, with_routing_stats
-from tests.router import pd_fakes
-from tests.router.pd_fakes import FakeConfig, FakeDecode, FakePrefill, expected_text, fake_codec, successor
+from tests.support import pd_fakes
+from tests.support.pd_fakes import FakeConfig, FakeDecode, FakePrefill, expected_text, fake_codec, successor
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -35,12 +35,6 @@ MODEL = "fake-model"
 KEYS = ("key-one", "key-two")
 MAX_LEN = 200
 MARKER_DIR = Path(tempfile.mkdtemp(prefix="pdserve-fake-"))  # the crashing fake leaves its marker here
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pool(cls: type, name: str, replicas: int, policy: str) -> Any:
@@ -54,7 +48,7 @@ def base() -> Iterator[str]:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     cloudpickle.register_pickle_by_value(pd_fakes)
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         fake_cfg = FakeConfig(marker_dir=str(MARKER_DIR))

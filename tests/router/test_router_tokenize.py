@@ -12,7 +12,7 @@ from router.tokenize import (
     detokenize,
     tokenize,
 )
-from tests.router.pd_fakes import FakeCodec
+from tests.support.pd_fakes import FakeCodec
 
 pytestmark = pytest.mark.timeout(30)
 CODEC = FakeCodec()

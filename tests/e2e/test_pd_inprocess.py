@@ -1,10 +1,10 @@
-"""Prefill worker → decode worker in one process: every greedy output equals the reference."""
+"""Prefill worker → outbox → in-process importer → decode worker, in one process: every greedy output
+equals the reference; stops, limits, aborts, preemption, lease expiry and stream grouping on the whole path."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 
@@ -13,7 +13,7 @@ from engine.errors import ContextLengthError
 from engine.sampling import SamplingParams
 from kv_transfer.errors import TransferError
 from prefill_worker.types import PrefillRequest
-from tests.workers.conftest import (
+from tests.support.inprocess_pd import (
     EOS,
     collect,
     make_colocated,
@@ -21,16 +21,10 @@ from tests.workers.conftest import (
     random_prompt,
     reference,
     wait_until,
+    workload,
 )
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def workload(seed: int, n: int = 24) -> list[tuple[float, tuple[int, ...], int]]:
-    rng = random.Random(seed)
-    return [
-        (rng.uniform(0, 0.6), random_prompt(rng, rng.randint(5, 600)), rng.randint(1, 64)) for _ in range(n)
-    ]
 
 
 async def test_disaggregated_matches_reference(tiny_path, ref_engine) -> None:
@@ -60,31 +54,6 @@ async def test_disaggregated_matches_reference(tiny_path, ref_engine) -> None:
     finally:
         await pd.decode.stop()
         await pd.prefill.stop()
-
-
-@pytest.mark.parametrize("chunk", [0, 64])
-async def test_colocated_matches_reference(tiny_path, ref_engine, chunk: int) -> None:
-    worker = make_colocated(tiny_path, chunk)
-    await worker.start()
-    jobs = workload(2)
-
-    async def one(i: int, delay: float, prompt: tuple[int, ...], k: int) -> list[int]:
-        await asyncio.sleep(delay)
-        tokens, reason, _ = await collect(
-            worker, DecodeRequest(f"c{i}", prompt, SamplingParams(max_tokens=k, ignore_eos=True))
-        )
-        assert reason == "length"
-        return tokens
-
-    try:
-        outs = await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))
-        for (_, prompt, k), tokens in zip(jobs, outs, strict=True):
-            assert tokens == reference(ref_engine, prompt, SamplingParams(max_tokens=k, ignore_eos=True))
-        await wait_until(worker.is_idle)
-        worker.engine.pool.check_integrity()
-        assert worker.engine.pool.num_free_blocks == worker.engine.pool.num_blocks
-    finally:
-        await worker.stop()
 
 
 async def test_eos_stop_ids_and_max_tokens(tiny_path, ref_engine) -> None:
@@ -193,73 +162,6 @@ async def test_expired_lease_frees_outbox_and_import_fails(tiny_path) -> None:
     finally:
         await pd.decode.stop()
         await pd.prefill.stop()
-
-
-@pytest.mark.parametrize("chunk", [0, 64])
-async def test_colocated_abort_during_prefill_frees_blocks(tiny_path, ref_engine, chunk: int) -> None:
-    """A client gone before token 0, while its prompt is being prefilled: blocks freed, worker healthy."""
-    worker = make_colocated(tiny_path, chunk)
-    runner = worker.engine.runner
-    fast_prefill = runner.prefill
-
-    def slow_prefill(*args, **kwargs):  # widen the window in which the prompt is mid-prefill
-        time.sleep(0.3)
-        return fast_prefill(*args, **kwargs)
-
-    runner.prefill = slow_prefill  # type: ignore[method-assign]
-    await worker.start()
-    try:
-        prompt = random_prompt(random.Random(21), 600)
-        gen = worker.generate(DecodeRequest("gone", prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
-        first = asyncio.ensure_future(gen.__anext__())
-        await wait_until(lambda: bool(worker.prefilling), timeout=5)
-        first.cancel()
-        with pytest.raises((asyncio.CancelledError, StopAsyncIteration)):
-            await first
-        await gen.aclose()
-        await wait_until(worker.is_idle, timeout=5)
-        assert worker.engine.pool.num_free_blocks == worker.engine.pool.num_blocks
-        params = SamplingParams(max_tokens=6, ignore_eos=True)
-        tokens, reason, _ = await collect(worker, DecodeRequest("next", prompt[:50], params))
-        assert tokens == reference(ref_engine, prompt[:50], params) and reason == "length"
-    finally:
-        await worker.stop()
-
-
-@pytest.mark.parametrize("cap", [64, None])
-async def test_short_prompts_pass_a_long_one_between_its_chunks(tiny_path, ref_engine, cap: int | None) -> None:
-    """With a chunk cap, chat-sized prompts queued behind a long one get token 0 first; without, they
-    wait for its last chunk. Token 0 is the reference's either way."""
-    from prefill_worker.types import PrefillRequest
-
-    pd = make_pd(tiny_path, max_batch_tokens=256, max_chunk_tokens=cap)
-    rng = random.Random(5)
-    long = random_prompt(rng, 600)
-    shorts = [random_prompt(rng, 20) for _ in range(3)]
-    params = SamplingParams(max_tokens=1, ignore_eos=True)  # token 0 only: nothing left for decode
-    done: list[str] = []
-
-    async def one(rid: str, prompt: tuple[int, ...]) -> tuple[str, int, int]:
-        res = await pd.prefill.prefill(PrefillRequest(rid, prompt, params))
-        done.append(rid)
-        return rid, res.token_id, res.timings.num_chunks
-
-    tasks = [asyncio.ensure_future(one("long", long))] + [
-        asyncio.ensure_future(one(f"s{i}", p)) for i, p in enumerate(shorts)]
-    await asyncio.sleep(0)  # all four queued, the long one first, before the step loop runs
-    await pd.prefill.start()
-    try:
-        out = {rid: (tok, n) for rid, tok, n in await asyncio.wait_for(asyncio.gather(*tasks), 60)}
-    finally:
-        await pd.prefill.stop()
-    for rid, prompt in [("long", long)] + [(f"s{i}", p) for i, p in enumerate(shorts)]:
-        assert out[rid][0] == reference(ref_engine, prompt, params)[0]
-    if cap is None:
-        assert done[0] == "long" and out["long"][1] == 3  # 256 + 256 + 88: the shorts ride its last step
-    else:
-        assert done[-1] == "long" and out["long"][1] == -(-600 // cap)  # ten chunks of ≤ 64
-        assert all(out[f"s{i}"][1] == 1 for i in range(3))
-    assert pd.prefill.engine.pool.num_used_blocks == 0 and pd.outbox.pending() == 0
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])

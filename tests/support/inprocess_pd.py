@@ -1,17 +1,24 @@
-"""Shared fixtures: one tiny random Llama on disk, engines over it, and in-process worker pairs."""
+"""Prefill and decode workers in one process over a tiny model, and the reference they must match.
+
+Owns: `make_pd` (a `PrefillWorker` and a `DecodeWorker` joined by an `InProcessImporter`, each with
+its own engine; `PD.run` is one request through both), `make_colocated` (a decode worker that
+prefills too), `reference` (the reference `generate()` every output is compared with),
+`random_prompt`, `workload` (staggered arrivals of random prompts), `collect` (a decode stream's
+tokens, finish reason and error) and `wait_until`. The model and the reference engine are the
+session fixtures ``tiny_path`` / ``ref_engine`` of ``tests/conftest.py``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import InProcessImporter
+from decode_worker.types import DecodeRequest
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -22,19 +29,9 @@ from kv_transfer.outbox import Outbox
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.types import PrefillRequest
 from prefill_worker.worker import PrefillWorker
-from tests.tiny_models import make_tiny
 
+#: the tiny model's EOS id (`tests.support.models.make_tiny`)
 EOS = 2
-
-
-@pytest.fixture(scope="session")
-def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny("llama", tmp_path_factory.mktemp("tiny-llama"), seed=3)
-
-
-@pytest.fixture(scope="session")
-def ref_engine(tiny_path: Path) -> Engine:
-    return Engine.from_dir(tiny_path, EngineConfig(num_blocks=64, block_size=16))
 
 
 def reference(eng: Engine, prompt: Sequence[int], params: SamplingParams) -> list[int]:
@@ -57,8 +54,6 @@ class PD:
         if res.finished:
             assert res.handle is None
             return tokens, str(res.finish_reason)
-        from decode_worker.types import DecodeRequest
-
         assert res.handle is not None
         reason = ""
         req = DecodeRequest(req_id, tuple(prompt), params, first_token_id=res.token_id, handle=res.handle)
@@ -66,6 +61,13 @@ class PD:
             tokens.extend(ev.token_ids)
             reason = ev.finish_reason or reason
         return tokens, reason
+
+
+def workload(seed: int, n: int = 24) -> list[tuple[float, tuple[int, ...], int]]:
+    rng = random.Random(seed)
+    return [
+        (rng.uniform(0, 0.6), random_prompt(rng, rng.randint(5, 600)), rng.randint(1, 64)) for _ in range(n)
+    ]
 
 
 def make_pd(
@@ -101,7 +103,7 @@ def make_colocated(path: Path, chunk: int, blocks: int = 256, stream_interval: i
     return DecodeWorker(eng, cfg, eos_token_ids=(EOS,))
 
 
-async def collect(worker: DecodeWorker, req) -> tuple[list[int], str, str | None]:
+async def collect(worker: DecodeWorker, req: DecodeRequest) -> tuple[list[int], str, str | None]:
     tokens: list[int] = []
     reason, error = "", None
     async for ev in worker.generate(req):
@@ -111,7 +113,7 @@ async def collect(worker: DecodeWorker, req) -> tuple[list[int], str, str | None
     return tokens, reason, error
 
 
-async def wait_until(pred, timeout: float = 10.0) -> None:
+async def wait_until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while not pred():

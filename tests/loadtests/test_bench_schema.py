@@ -10,7 +10,7 @@ import pytest
 
 from loadtests import bench_engine
 from loadtests.schemas import ENGINE_SCHEMA
-from tests.tiny_models import make_tiny
+from tests.support.models import make_tiny
 
 pytestmark = pytest.mark.timeout(120)
 

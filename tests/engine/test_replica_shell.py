@@ -17,7 +17,7 @@ from kv_transfer.config import KVTransferConfig
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.deployment import PrefillServer
 from prefill_worker.types import PrefillRequest
-from tests.helpers_models import make_tiny_chat_model
+from tests.support.models import make_tiny_chat_model
 
 pytestmark = [
     pytest.mark.timeout(120),

@@ -13,8 +13,8 @@ import torch
 
 from decode_worker.types import DecodeRequest
 from engine.sampling import SamplingParams
-from tests.tiny_models import make_tiny
-from tests.workers.conftest import collect, make_colocated, make_pd, random_prompt
+from tests.support.inprocess_pd import collect, make_colocated, make_pd, random_prompt
+from tests.support.models import make_tiny
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,6 +1,6 @@
 """Misbehaving replica classes for the timeout tests, with the real replicas' constructor and methods.
 
-Built on `tests.router.pd_fakes` (deterministic token successor, fake tokenizer) plus magic words:
+Built on `tests.support.pd_fakes` (deterministic token successor, fake tokenizer) plus magic words:
 
 - `HangingPrefill`: a prompt containing ``HANG`` never gets an answer; the replica records the
   request ids whose call was cancelled (``cancelled()``);
@@ -22,7 +22,7 @@ from typing import Any
 from decode_worker.types import DecodeRequest, TokenEvent
 from engine.load_report import LoadReport
 from prefill_worker.types import PrefillRequest, PrefillResult
-from tests.router.pd_fakes import FakeDecode, FakePrefill, _text, successor
+from tests.support.pd_fakes import FakeDecode, FakePrefill, prompt_text, successor
 
 
 class HangingPrefill(FakePrefill):
@@ -31,7 +31,7 @@ class HangingPrefill(FakePrefill):
         self._cancelled: list[str] = []
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
-        if "HANG" in _text(req.prompt_token_ids):
+        if "HANG" in prompt_text(req.prompt_token_ids):
             try:
                 await asyncio.sleep(3600)
             except asyncio.CancelledError:
@@ -45,7 +45,7 @@ class HangingPrefill(FakePrefill):
 
 class StallingDecode(FakeDecode):
     async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
-        if "STALL" not in _text(req.prompt_token_ids):
+        if "STALL" not in prompt_text(req.prompt_token_ids):
             async for ev in super().generate(req):
                 yield ev
             return

@@ -108,7 +108,8 @@ def chat_prompt_ids(messages: Sequence[dict[str, str]]) -> list[int]:
     return FakeCodec().encode_chat(messages)
 
 
-def _text(ids: Sequence[int]) -> str:
+def prompt_text(ids: Sequence[int]) -> str:
+    """The prompt as the fakes read it: one character per id below 256."""
     return "".join(chr(i) for i in ids if i < 256)
 
 
@@ -127,7 +128,7 @@ class FakePrefill:
         self._running = 0
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
-        text = _text(req.prompt_token_ids)
+        text = prompt_text(req.prompt_token_ids)
         if "QUEUEFULL" in text:
             raise QueueFullError("prefill queue full", retry_after_s=3.0)
         if "CRASH1" in text and not self._marker.exists():
@@ -163,7 +164,7 @@ class FakeDecode:
         self._running = 0
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
-        text = _text(req.prompt_token_ids)
+        text = prompt_text(req.prompt_token_ids)
         colocated = req.first_token_id is None
         if colocated and "QUEUEFULL" in text:
             raise QueueFullError("decode queue full", retry_after_s=3.0)

@@ -28,14 +28,10 @@ from pathlib import Path
 
 import psutil
 
+from loadtests.bench_common import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def node_env() -> dict[str, str]:

@@ -14,7 +14,7 @@ import torch
 from decode_worker.types import DecodeRequest
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from tests.workers.conftest import collect, make_colocated, make_pd, random_prompt, reference
+from tests.support.inprocess_pd import collect, make_colocated, make_pd, random_prompt, reference
 
 pytestmark = pytest.mark.timeout(240)
 

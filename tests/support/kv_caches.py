@@ -1,4 +1,8 @@
-"""Shared test helpers: SmolLM2-shaped layouts and caches, digests of blocks."""
+"""KV caches for the transfer tests: SmolLM2-shaped layouts, seeded caches, digests of blocks.
+
+Owns: the tests' cluster `SECRET`, the `SMOL` layout, `make_cache` (random or zero contents) and
+`digest` (what travelled is checked by hashing the gathered blocks on both sides).
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""Source and destination OS processes for the two-process tests (and their typed commands).
+"""KV source and destination OS processes for the two-process and fuzz tests (and their typed commands).
 
 Each process runs one asyncio loop with a `KVSource` (prefill side) or a `KVPuller` (decode side)
-and obeys typed commands from the parent over a `multiprocessing` pipe. Block books are a plain
-shuffled free list, so block ids are scattered like a real pool's.
+and obeys typed commands from the parent over a `multiprocessing` pipe (`Proc`: every wait has a
+deadline, cleanup always kills). Block books are a plain shuffled free list, so block ids are
+scattered like a real pool's. The source's `SourceConfig` is the caller's: the fuzz tests want short
+handshake and I/O timeouts and a small connection limit, so a misbehaving peer's cost is visible.
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.outbox import Outbox
 from kv_transfer.server import KVSource, SourceConfig, SourceStats
 from kv_transfer.transport import ChunkSource, register_transport
-
-from .kvt_helpers import SECRET, digest, make_cache
+from tests.support.kv_caches import SECRET, digest, make_cache
 
 # --- a source that stalls halfway through a transfer (so a test can kill it mid-transfer) ---------
 
@@ -122,20 +123,25 @@ class Stop:
 # --- source process -------------------------------------------------------------------------------
 
 
-def source_main(conn: Connection, layout: KVLayout, num_blocks: int, seed: int, transport: str = "gloo") -> None:
+#: the two-process tests' source: loopback, leases swept every 50 ms
+SOURCE = SourceConfig(host="127.0.0.1", expire_interval_s=0.05)
+
+
+def source_main(conn: Connection, layout: KVLayout, num_blocks: int, seed: int, config: SourceConfig = SOURCE,
+                lease_s: float = 30.0, log_level: int = logging.WARNING) -> None:
     torch.set_num_threads(1)
-    logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_source(conn, layout, num_blocks, seed, transport))
+    logging.basicConfig(level=log_level)
+    asyncio.run(_source(conn, layout, num_blocks, seed, config, lease_s))
 
 
-async def _source(conn: Connection, layout: KVLayout, num_blocks: int, seed: int, transport: str) -> None:
+async def _source(conn: Connection, layout: KVLayout, num_blocks: int, seed: int, config: SourceConfig,
+                  lease_s: float) -> None:
     cache = make_cache(layout, num_blocks, seed=seed)
     rng = random.Random(seed)
     free = list(range(num_blocks))
     rng.shuffle(free)
-    outbox = Outbox(free.extend, default_lease_s=30)
-    server = KVSource(cache, outbox, SECRET, layout,
-                      SourceConfig(host="127.0.0.1", transport=transport, expire_interval_s=0.05))
+    outbox = Outbox(free.extend, default_lease_s=lease_s)
+    server = KVSource(cache, outbox, SECRET, layout, config)
     await server.start()
     conn.send(Started(server.address))
     while True:

@@ -1,4 +1,4 @@
-"""Shared machinery of the reliability tests: app configs, streaming clients, metrics, process books.
+"""Apps on a local Serve for the reliability tests: app configs, streaming clients, metrics, process books.
 
 Owns: `cluster_args` (a small `ClusterConfig` ``args:`` mapping for the tiny model), `deploy` (one
 Serve app under its own route prefix, deleted afterwards), `stream_request` (one SSE request read
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,15 +24,9 @@ import psutil
 from ray import serve
 
 SECRET = "reliability-secret-0123456789abcdef"
-#: deadlines of the package's ``fakes`` app (conftest.py), which tests/reliability/test_timeouts checks
+#: deadlines of the reliability package's ``fakes`` app (its conftest.py), which test_timeouts.py checks
 FAKES_PREFILL_TIMEOUT_S = 1.5
 FAKES_TOKEN_TIMEOUT_S = 1.5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cluster_args(model: str, *, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None,

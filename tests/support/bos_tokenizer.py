@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, processors
 
-from tests.helpers_models import bundled_tokenizer_dir
+from tests.support.models import bundled_tokenizer_dir
 
 BOS = "<|endoftext|>"  # id 0 in SmolLM2's vocabulary
 BOS_ID = 0
