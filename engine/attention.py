@@ -5,6 +5,9 @@ rows. Two decode paths: the reference (`decode_attention`: gather every context 
 bool mask) and the fast one (`paged_decode_attention`: the method of `DECODE_METHODS` this machine
 runs fastest, either whole-block copies then batched matmuls, softmax in fp32, or the compiled kernel
 that reads the blocks in place). Prefill uses SDPA (``is_causal`` when a chunk starts at position 0).
+Attention logit soft-capping (``softcap``: scores become ``cap * tanh(scores / cap)`` before the mask,
+Gemma 2) has no SDPA: prefill then runs `explicit_prefill_attention` (explicit scores a block of
+queries at a time), decode the methods that form the scores themselves (`SOFTCAP_METHODS`).
 
 Invariants: a *slot* is ``block_id * block_size + row``; a query at absolute position ``p`` sees
 exactly the keys at positions ``0..p`` of its own sequence; padding rows of a batched decode step
@@ -53,6 +56,7 @@ def prefill_attention(
     context_blocks: torch.Tensor | None = None,
     native: bool = False,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's chunk.
 
@@ -62,15 +66,16 @@ def prefill_attention(
     block ids (cheaper: whole blocks are copied). ``native``: fp32 chunks the C++ kernel takes run
     there (`engine.native_prefill`), the rest through SDPA. ``window``: each query sees only the last
     ``window`` positions, its own included (a sliding-window layer; the C++ kernel does not take it).
+    ``softcap``: scores soft-capped (`explicit_prefill_attention`; neither SDPA nor the C++ kernel).
     Returns [S, H, D].
     """
     s = q.shape[0]
     windowed = window is not None and start_pos + s > window  # else the window hides nothing
-    native = native and not windowed
+    native = native and not windowed and softcap is None
     if native and start_pos == 0 and native_prefill_applies(q, k_new, v_new):
         return native_prefill_attention(q, k_new, v_new, 0, scale)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, S, D]
-    if start_pos == 0 and not windowed:
+    if start_pos == 0 and not windowed and softcap is None:
         k = k_new.transpose(0, 1).unsqueeze(0)  # [1, KV, S, D]
         v = v_new.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -86,6 +91,8 @@ def prefill_attention(
             kc, vc = gather_kv(k_cache, v_cache, context_slots)  # [L, KV, D]
         if native and native_prefill_applies(q, kc, vc):
             return native_prefill_attention(q, kc, vc, start_pos, scale)
+        if softcap is not None:
+            return explicit_prefill_attention(q, kc, vc, start_pos, scale, softcap, window)
         k = kc.transpose(0, 1).unsqueeze(0)  # [1, KV, L, D]
         v = vc.transpose(0, 1).unsqueeze(0)
         q_pos = torch.arange(start_pos, total, device=q.device).unsqueeze(1)  # [S, 1]
@@ -98,6 +105,49 @@ def prefill_attention(
     return out.squeeze(0).transpose(0, 1)  # [S, H, D]
 
 
+#: Query rows x keys x heads of one block's scores in `explicit_prefill_attention` (64 MiB of fp32).
+SCORE_BLOCK_ELEMENTS = 2**24
+
+
+def soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(scores / cap)``, transformers' order of operations (in place on ``scores``)."""
+    return scores.div_(cap).tanh_().mul_(cap)
+
+
+def explicit_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float, softcap: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention with the scores formed explicitly (so they can be soft-capped), a block of
+    queries at a time over only the keys the block can see.
+
+    q: [S, H, D] at positions ``start_pos ..``; k/v: [start_pos + S, KV, D]. Returns [S, H, D].
+    """
+    s_len, h, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    out = torch.empty_like(q)
+    rows = max(1, SCORE_BLOCK_ELEMENTS // (h * k.shape[0]))
+    for lo in range(0, s_len, rows):
+        hi = min(s_len, lo + rows)
+        first = 0 if window is None else max(0, start_pos + lo - window + 1)  # the first key any row sees
+        kb, vb = k[first : start_pos + hi], v[first : start_pos + hi]  # [L, KV, D]
+        qb = q[lo:hi].view(hi - lo, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * (hi - lo), d)  # [KV, G*R, D]
+        scores = torch.bmm(qb, kb.permute(1, 2, 0)).mul_(scale)  # [KV, G*R, L]
+        if softcap is not None:
+            soft_cap(scores, softcap)
+        q_pos = torch.arange(start_pos + lo, start_pos + hi, device=q.device).unsqueeze(1)  # [R, 1]
+        k_pos = torch.arange(first, start_pos + hi, device=q.device).unsqueeze(0)  # [1, L]
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.view(kvh, g, hi - lo, -1).masked_fill_(hidden, float("-inf"))
+        p = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(kvh, g * (hi - lo), -1)
+        o = torch.bmm(p, vb.transpose(0, 1))  # [KV, G*R, D]
+        out[lo:hi] = o.view(kvh, g, hi - lo, d).permute(2, 0, 1, 3).reshape(hi - lo, h, d)
+    return out
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -105,6 +155,7 @@ def decode_attention(
     slot_table: torch.Tensor,
     valid: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One new query token per sequence.
 
@@ -116,6 +167,13 @@ def decode_attention(
     v = v.transpose(1, 2)
     qh = q.unsqueeze(2)  # [B, H, 1, D]
     mask = valid[:, None, None, :]  # [B, 1, 1, L]
+    if softcap is not None:  # transformers' eager order: scale, cap, mask, fp32 softmax
+        b, h, d = q.shape
+        kvh = k.shape[1]
+        scores = torch.matmul(q.view(b, kvh, h // kvh, d), k.transpose(2, 3)).mul_(scale)  # [B, KV, G, L]
+        scores = soft_cap(scores, softcap).masked_fill_(~mask, float("-inf"))
+        p = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        return torch.matmul(p, v).view(b, h, d)  # [B, H, D]
     out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)  # [B, H, D]
 
@@ -158,6 +216,8 @@ SMALL_DECODE_ROWS = 512
 #: fastest differs between CPUs, even in its order (`engine.attention_choice` times them at load).
 GATHERED_METHODS = ("sdpa", "per_head", "block_diagonal")
 DECODE_METHODS = (*GATHERED_METHODS, "compiled", "native")
+#: The methods that form the scores themselves, so they can soft-cap them (``softcap``).
+SOFTCAP_METHODS = ("per_head", "block_diagonal")
 
 
 @dataclass
@@ -185,6 +245,7 @@ def paged_decode_attention(
     ws: Workspace,
     scale: float,
     method: str = "per_head",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One new query token per sequence, read from the paged cache block by block.
 
@@ -204,8 +265,10 @@ def paged_decode_attention(
     of this from 2 sequences up: `engine.compiled_attention` reads the blocks in place, in any dtype
     (at batch 1 its fixed cost is more than the one-sequence gather it saves);
     ``method="native"`` does the same at every batch size with `engine.native_attention`'s C++
-    kernel, faster than both where it builds.
+    kernel, faster than both where it builds. ``softcap`` (a method of `SOFTCAP_METHODS` only): scores
+    soft-capped before the mask.
     """
+    _check_softcap(method, softcap)
     b, _, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     length = meta.n_blocks * bs
@@ -225,30 +288,31 @@ def paged_decode_attention(
     torch.index_select(k_cache, 0, meta.block_ids, out=kb)
     torch.index_select(v_cache, 0, meta.block_ids, out=vb)
     if b == 1:
-        return _single_decode_attention(q, kb, vb, meta.bias, scale)
+        return _single_decode_attention(q, kb, vb, meta.bias, scale, softcap)
     if dt == torch.float32 or b * length <= SMALL_DECODE_ROWS:
         # Small bf16 steps are faster converted to fp32 than through bf16 bmm's fixed costs.
         if dt != torch.float32:
             kb = ws.buffer("k32", tuple(kb.shape), torch.float32, dev).copy_(kb)
             vb = ws.buffer("v32", tuple(vb.shape), torch.float32, dev).copy_(vb)
         return batched_decode_attention(q, kb.view(b, length, kvh, d), vb.view(b, length, kvh, d), meta.bias,
-                                        scale, method, ws)
+                                        scale, method, ws, softcap)
     return _block_diagonal_decode_attention(q, kb.view(b, length, kvh, d), vb.view(b, length, kvh, d), meta.bias,
-                                            scale, ws)
+                                            scale, ws, softcap)
 
 
 def batched_decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, method: str,
-    ws: Workspace,
+    ws: Workspace, softcap: float | None = None,
 ) -> torch.Tensor:
     """Gathered fp32 K/V ``[B, L, KV, D]``, q [B, H, D], bias [B, 1, L] → [B, H * D] in q's dtype.
 
     ``method`` is one of `GATHERED_METHODS`; all compute the same attention up to float reassociation.
     """
     if method == "per_head":
-        return _per_head_decode_attention(q, k, v, bias, scale)
+        return _per_head_decode_attention(q, k, v, bias, scale, softcap)
     if method == "block_diagonal":
-        return _block_diagonal_decode_attention(q.to(k.dtype), k, v, bias, scale, ws).to(q.dtype)
+        return _block_diagonal_decode_attention(q.to(k.dtype), k, v, bias, scale, ws, softcap).to(q.dtype)
+    _check_softcap(method, softcap)
     if method == "sdpa":
         b, h, d = q.shape
         out = F.scaled_dot_product_attention(  # q [B, H, 1, D] against k/v [B, KV, L, D] (strided views)
@@ -260,7 +324,8 @@ def batched_decode_attention(
 
 
 def _block_diagonal_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, ws: Workspace
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, ws: Workspace,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """K/V ``[B, L, KV, D]`` (contiguous) and q [B, H, D] in one dtype, bias [B, 1, L] → [B, H * D]."""
     b, h, d = q.shape
@@ -269,6 +334,9 @@ def _block_diagonal_decode_attention(
     qblk = ws.zeros("qblk", (b, kvh, g, kvh, d), dt, q.device)  # only the kv == kv' diagonal is ever written
     qblk.diagonal(dim1=1, dim2=3).copy_(q.view(b, kvh, g, d).permute(0, 2, 3, 1))  # [B, G, D, KV]
     s = torch.bmm(qblk.view(b, h, kvh * d), k.reshape(b, length, kvh * d).transpose(1, 2))  # [B, H, L]
+    if softcap is not None:
+        s = soft_cap(s.float().mul_(scale), softcap)
+        scale = 1.0
     s = torch.add(bias, s, alpha=scale)  # [B, H, L] fp32, padding at -inf
     p = torch.softmax(s, dim=-1)
     if p.dtype != dt:
@@ -279,7 +347,8 @@ def _block_diagonal_decode_attention(
 
 
 def _single_decode_attention(
-    q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bias: torch.Tensor, scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One sequence: q [1, H, D], its gathered blocks kb/vb [n_blocks, bs, KV, D], bias [1, 1, L].
 
@@ -293,13 +362,14 @@ def _single_decode_attention(
     length = kb.shape[0] * kb.shape[1]
     k = kb.view(length, kvh, d).permute(1, 2, 0).float()  # [KV, D, L]
     v = vb.view(length, kvh, d).transpose(0, 1).float()  # [KV, L, D]
-    s = torch.baddbmm(bias.expand(kvh, h // kvh, length), q.float().view(kvh, h // kvh, d), k, alpha=scale)
+    s = _scores(bias.expand(kvh, h // kvh, length), q.float().view(kvh, h // kvh, d), k, scale, softcap)
     p = torch.softmax(s, dim=-1)  # [KV, G, L] fp32; padding positions at -inf get 0
     return torch.bmm(p, v).view(1, h * d).to(q.dtype)  # [1, H * D], h = kv * G + g
 
 
 def _per_head_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """fp32 K/V ``[B, L, KV, D]``, q [B, H, D], bias [B, 1, L] → [B, H * D] in q's dtype.
 
@@ -313,6 +383,18 @@ def _per_head_decode_attention(
     mask = bias.expand(b, g, length)
     outs = []
     for i in range(kvh):
-        s = torch.baddbmm(mask, qv[:, i], k[:, :, i].transpose(1, 2), alpha=scale)  # [B, G, L]
+        s = _scores(mask, qv[:, i], k[:, :, i].transpose(1, 2), scale, softcap)  # [B, G, L]
         outs.append(torch.bmm(torch.softmax(s, dim=-1), v[:, :, i]))  # [B, G, D]
     return torch.stack(outs, 1).view(b, h * d).to(q.dtype)  # h = kv * G + g
+
+
+def _check_softcap(method: str, softcap: float | None) -> None:
+    if softcap is not None and method not in SOFTCAP_METHODS:
+        raise ValueError(f"decode attention {method!r} cannot soft-cap scores; use one of {SOFTCAP_METHODS}")
+
+
+def _scores(bias: torch.Tensor, q: torch.Tensor, kt: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """``bias + scale * q @ kt`` (batched; one baddbmm), soft-capped before the bias where ``softcap``."""
+    if softcap is None:
+        return torch.baddbmm(bias, q, kt, alpha=scale)
+    return soft_cap(torch.bmm(q, kt).mul_(scale), softcap).add_(bias)

@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import DECODE_METHODS, GATHERED_METHODS, PagedDecodeMeta, Workspace, paged_decode_attention
+from engine.attention import (
+    DECODE_METHODS,
+    GATHERED_METHODS,
+    SOFTCAP_METHODS,
+    PagedDecodeMeta,
+    Workspace,
+    paged_decode_attention,
+)
 from engine.kernel_choice import best_of_interleaved
 from engine.native_attention import native_error
 
@@ -150,19 +157,23 @@ def time_methods(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype = 
 
 def choose_decode_attention(heads: int, kv_heads: int, head_dim: int, mode: str = "auto",
                             device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                            allow_compiled: bool = True) -> AttentionChoice:
-    """``mode`` pins a method; ``"auto"`` times the candidates (`time_methods`) on CPU."""
+                            allow_compiled: bool = True, softcap: bool = False) -> AttentionChoice:
+    """``mode`` pins a method; ``"auto"`` times the candidates (`time_methods`) on CPU. ``softcap``:
+    the model soft-caps its scores, which only `SOFTCAP_METHODS` do."""
     if mode not in DECODE_ATTENTION:
         raise ValueError(f"unknown decode_attention {mode!r}; expected one of {DECODE_ATTENTION}")
+    if softcap and mode not in ("auto", *SOFTCAP_METHODS):
+        raise ValueError(f"decode_attention={mode!r} cannot soft-cap attention scores (this model's "
+                         f"attn_logit_softcapping); use 'auto' or one of {SOFTCAP_METHODS}")
     in_place = {"compiled": lambda: compiled_error(heads, kv_heads, head_dim, dtype), "native": native_error}
     if mode in in_place and (err := in_place[mode]()):
         raise RuntimeError(f"decode_attention={mode!r} cannot run here ({err}); use 'auto' or an eager method")
     if mode != "auto":
         return AttentionChoice(mode)
     if torch.device(device).type != "cpu":
-        return AttentionChoice("sdpa")
-    methods: tuple[str, ...] = GATHERED_METHODS
-    for method, error in in_place.items() if allow_compiled else ():
+        return AttentionChoice(SOFTCAP_METHODS[0] if softcap else "sdpa")
+    methods: tuple[str, ...] = SOFTCAP_METHODS if softcap else GATHERED_METHODS
+    for method, error in in_place.items() if allow_compiled and not softcap else ():
         if (err := error()) is None:
             methods = (*methods, method)
         else:

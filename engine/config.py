@@ -21,16 +21,9 @@ import torch
 
 from engine.attention_choice import DECODE_ATTENTION
 from engine.errors import ModelLoadError
+from engine.families import ACTIVATION_NAMES, FAMILIES, MODEL_TYPES, SUPPORTED_ARCHITECTURES, Family
 from engine.kernel_choice import LINEAR_KERNELS
 
-#: Hugging Face ``architectures`` entries we can run, mapped to our family name.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Phi3ForCausalLM": "phi3",
-}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -90,6 +83,14 @@ class RopeScaling:
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
+@dataclass(frozen=True)
+class RopeParams:
+    """One set of RoPE tables' parameters: the base and the scaling (None: plain RoPE)."""
+
+    theta: float
+    scaling: RopeScaling | None = None
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
@@ -120,14 +121,19 @@ def _rope_scaling(rs: dict[str, Any], max_positions: int, source: str) -> RopeSc
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of one Llama-family model.
+    """The architecture of one model: its family's layer shape (`features`, `engine.families`) and
+    the sizes and values its config file sets.
 
     ``sliding_window``: the keys a query of a windowed layer sees, itself included (positions
     ``p - window + 1 .. p``, transformers' definition), in the layers ``window_layers`` names; None
-    with no windowed layer. ``qk_norm``: an RMSNorm over each head of q and of k before RoPE (Qwen3).
+    with no windowed layer. ``qk_norm``: an RMSNorm over each head of q and of k before RoPE (Qwen3,
+    Gemma 3). ``query_pre_attn_scalar``: the attention scale is its inverse square root (Gemma), else
+    ``head_dim``'s. ``attn_softcap`` / ``final_softcap``: attention scores / logits pass through
+    ``cap * tanh(x / cap)`` (Gemma 2). ``sliding_rope``: the windowed layers' RoPE where it is not
+    the other layers' (``rope_theta``, ``rope_scaling``; Gemma 3's local base).
     """
 
-    family: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "phi3"
+    family: str  # a key of `engine.families.FAMILIES`
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -146,6 +152,10 @@ class ModelConfig:
     sliding_window: int | None = None
     window_layers: tuple[int, ...] = ()  # indices of the layers that attend over the window only
     qk_norm: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_rope: RopeParams | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -166,6 +176,32 @@ class ModelConfig:
         """The window layer ``layer`` attends over (None: every earlier position)."""
         return self.sliding_window if layer in self.window_layers else None
 
+    def layer_rope(self, layer: int) -> RopeParams:
+        """The RoPE parameters of layer ``layer``."""
+        if self.sliding_rope is not None and layer in self.window_layers:
+            return self.sliding_rope
+        return RopeParams(self.rope_theta, self.rope_scaling)
+
+    @property
+    def features(self) -> Family:
+        """The family's layer shape: what the forward computes beyond the sizes."""
+        return FAMILIES[self.family]
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
+
+    def native_step_blockers(self) -> list[str]:
+        """What this model computes that the one-call native decode step (`engine.native_step`) does not."""
+        f = self.features
+        named = {"q/k norms": self.qk_norm, "sliding-window layers": bool(self.window_layers),
+                 "offset norms (1 + w)": f.norm_offset, "sandwich norms": f.sandwich_norms,
+                 f"a {f.activation} MLP": f.activation != "silu", "an embedding scale": f.embed_scale,
+                 "a query_pre_attn_scalar": self.attention_scale != self.head_dim**-0.5,
+                 "logit soft-capping": self.attn_softcap is not None or self.final_softcap is not None,
+                 "RoPE per layer type": self.sliding_rope is not None}
+        return [name for name, present in named.items() if present]
+
     @cached_property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -181,50 +217,54 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "<dict>") -> ModelConfig:
         archs = cfg.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if family is None:
+        name = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if name is None:
             model_type = cfg.get("model_type")
-            if model_type in SUPPORTED_ARCHITECTURES.values():
-                family = str(model_type)
+            if not archs and model_type in MODEL_TYPES:  # architectures name the head: model_type only without
+                name = MODEL_TYPES[str(model_type)]
             else:
                 raise ModelLoadError(
                     f"{source}: unsupported architecture {archs or model_type!r}; "
                     f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
                 )
+        family = FAMILIES[name]
+        cfg = {**family.defaults, **cfg}
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
             head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-            # transformers < 5 writes `rope_scaling` + `rope_theta`; 5.x writes `rope_parameters`.
-            rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-            rope_theta = float(rs.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-            scaling = _rope_scaling(rs, int(cfg.get("max_position_embeddings", 2048)), source)
-            if float(rs.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
-                raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported (RoPE over whole heads)")
+            num_layers = int(cfg["num_hidden_layers"])
+            max_positions = int(cfg.get("max_position_embeddings", 2048))
             _refuse_unsupported(cfg, family, source)
-            window, window_layers = _windows(cfg, family, int(cfg["num_hidden_layers"]), source)
+            window, window_layers = _windows(cfg, family, num_layers, source)
+            full_rope, sliding_rope = _ropes(cfg, family, max_positions, source)
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            gemma = family.gemma_attention
             return cls(
-                family=family,
+                family=name,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=num_layers,
                 num_heads=num_heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
                 head_dim=head_dim,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=rope_theta,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rope_theta=full_rope.theta,
+                max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-                rope_scaling=scaling,
+                attention_bias=bool(cfg.get("attention_bias", family.qkv_bias)),
+                rope_scaling=full_rope.scaling,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 sliding_window=window,
                 window_layers=window_layers,
-                qk_norm=family == "qwen3",
+                qk_norm=family.qk_norm,
+                query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
+                attn_softcap=_optional_float(cfg.get("attn_logit_softcapping")) if gemma else None,
+                final_softcap=_optional_float(cfg.get("final_logit_softcapping")) if gemma else None,
+                sliding_rope=sliding_rope if window_layers and sliding_rope != full_rope else None,
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: config is missing required field {e.args[0]!r}") from None
@@ -243,27 +283,74 @@ class ModelConfig:
         return cls.from_hf_dict(data, source=str(cfg_path))
 
 
-def _refuse_unsupported(cfg: dict[str, Any], family: str, source: str) -> None:
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _refuse_unsupported(cfg: dict[str, Any], family: Family, source: str) -> None:
     """Raises `ModelLoadError` naming a field whose value this engine would not run exactly."""
-    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise ModelLoadError(f"{source}: hidden_act={act!r} is not supported (the MLP is SwiGLU with silu)")
+    field = family.activation_field
+    act = cfg.get(field, cfg.get("hidden_activation", "silu"))
+    expected = ACTIVATION_NAMES[family.activation]
+    if act != expected:
+        raise ModelLoadError(f"{source}: {field}={act!r} is not supported for {family.name} (the MLP is "
+                             f"down({expected}(gate) * up))")
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported (the MLP projections carry no bias)")
-    if cfg.get("attention_bias") and family != "qwen2":
-        raise ModelLoadError(f"{source}: attention_bias=true is not supported for {family} (o_proj bias)")
+    if cfg.get("attention_bias") and not family.qkv_bias:
+        raise ModelLoadError(f"{source}: attention_bias=true is not supported for {family.name} (o_proj bias)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention=true is not supported (causal attention only)")
+    if family.gemma_attention and family.rope_per_layer_type and cfg.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(f"{source}: attn_logit_softcapping is set, which transformers' {family.name} does not "
+                             "apply; refused rather than guessed")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        value = cfg.get(name)
+        if family.gemma_attention and value is not None and not float(value) > 0:
+            raise ModelLoadError(f"{source}: {name}={value!r} must be positive")
 
 
-def _windows(cfg: dict[str, Any], family: str, num_layers: int, source: str) -> tuple[int | None, tuple[int, ...]]:
+def _ropes(cfg: dict[str, Any], family: Family, max_positions: int, source: str) -> tuple[RopeParams, RopeParams]:
+    """The RoPE of the full-attention layers and of the sliding-window ones, as transformers reads
+    them: one set for every layer, except that Gemma 3's sliding layers take ``rope_local_base_freq``
+    unscaled, or their own entry where ``rope_parameters`` is keyed by layer type."""
+    rp = cfg.get("rope_parameters")
+    keyed = isinstance(rp, dict) and bool(rp) and set(rp) <= set(_LAYER_TYPES)
+    if keyed and not family.rope_per_layer_type:
+        raise ModelLoadError(f"{source}: rope_parameters keyed by layer type is not supported for {family.name}")
+    theta = cfg.get("rope_theta", 10000.0)
+
+    def _rope(params: dict[str, Any], theta: Any) -> RopeParams:
+        if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported (RoPE over whole heads)")
+        return RopeParams(float(params.get("rope_theta", theta)), _rope_scaling(params, max_positions, source))
+
+    if keyed:
+        assert isinstance(rp, dict)
+        full = _rope(rp.get("full_attention") or {}, theta)
+        return full, _rope(rp.get("sliding_attention") or {}, cfg.get("rope_local_base_freq"))
+    # transformers < 5 writes `rope_scaling` + `rope_theta`; 5.x writes `rope_parameters`.
+    full = _rope(cfg.get("rope_scaling") or rp or {}, theta)
+    if not family.rope_per_layer_type:
+        return full, full
+    return full, RopeParams(float(cfg["rope_local_base_freq"]))
+
+
+def _windows(cfg: dict[str, Any], family: Family, num_layers: int, source: str) -> tuple[int | None, tuple[int, ...]]:
     """The sliding window and the layers that use it, as transformers reads them: ``layer_types``
-    where the config has it; else Mistral and Phi-3 window every layer, Qwen2/Qwen3 (with
-    ``use_sliding_window``) the layers from ``max_window_layers`` on."""
+    where the config has it; else by the family's rule (`engine.families.WindowRule`): Mistral and
+    Phi-3 window every layer, Qwen2/Qwen3 (with ``use_sliding_window``) the layers from
+    ``max_window_layers`` on, Gemma all but every second (Gemma 2) or ``sliding_window_pattern``-th
+    (Gemma 3)."""
     window = cfg.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+    if family.windows == "from_max_window_layers" and not cfg.get("use_sliding_window"):
         window = None
-    if family == "llama":
+    if family.windows == "none":
         window = None  # transformers' Llama has no window, whatever the file says
     types = cfg.get("layer_types")
+    if types is None and family.windows == "pattern":
+        pattern = int(cfg.get(family.window_pattern_field or "", family.window_pattern) or family.window_pattern)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if types is not None:
         if len(types) != num_layers or any(t not in _LAYER_TYPES for t in types):
             raise ModelLoadError(f"{source}: layer_types must list one of {_LAYER_TYPES} per layer "
@@ -273,7 +360,7 @@ def _windows(cfg: dict[str, Any], family: str, num_layers: int, source: str) -> 
             raise ModelLoadError(f"{source}: layer_types has sliding_attention layers but sliding_window is unset")
     elif window is None:
         layers = ()
-    elif family in ("mistral", "phi3"):
+    elif family.windows == "all":
         layers = tuple(range(num_layers))
     else:
         layers = tuple(range(int(cfg.get("max_window_layers", num_layers)), num_layers))

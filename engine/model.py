@@ -1,4 +1,11 @@
-"""The Llama-family forward pass (Llama, Mistral, Qwen2, SmolLM) over the paged KV cache.
+"""The decoder forward pass of every family in `engine.families` over the paged KV cache.
+
+The forward reads a model's features (`ModelConfig.features` and the config's values: q/k norms,
+windows, RoPE per layer, Gemma's offset and sandwich norms, GELU MLP, embedding scale, attention
+scale and soft-caps), never a family's name. Llama-shaped models (no feature beyond the sizes)
+keep every fast piece below; a feature a piece does not implement turns that piece off for the
+model (`ModelConfig.native_step_blockers`; soft-capping: no SDPA, C++ prefill or in-place decode
+attention), so it runs the per-layer path instead.
 
 Owns: one forward for a *batch of prefill chunks* (each sequence may start after cached prefix
 tokens) and one for a *batched decode step* (one token per sequence, contexts of any length), each
@@ -33,18 +40,20 @@ from engine.attention import (
     decode_attention,
     paged_decode_attention,
     prefill_attention,
+    soft_cap,
     write_kv,
 )
 from engine.attention_choice import AttentionChoice, choose_decode_attention
 from engine.config import EngineConfig, ModelConfig
 from engine.kernel_choice import KernelChoice, build_linears
 from engine.kv_cache import KVCache
+from engine.layer import LayerKernels, Rotation, offset_gains, rms_norm, windowed_meta
 from engine.native_attention import native_error
 from engine.native_linear import NativeLinear
 from engine.native_rope import MAX_HEAD_DIM, RopeStore, native_rope_error
 from engine.native_step import NativeDecodeStep, native_step_error
 from engine.quant import Linear
-from engine.rope import RotaryEmbedding
+from engine.rope import RopeTables, RotaryEmbedding
 from engine.weights import ModelWeights
 
 
@@ -75,26 +84,6 @@ class DecodeBatch:
     groups: list[PagedDecodeMeta] = field(default_factory=list)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Matches transformers' LlamaRMSNorm: normalize in fp32, cast back, then scale."""
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-@dataclass
-class LayerKernels:
-    input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # [hidden] → [q_size + 2 * kv_size]
-    o_proj: Linear  # [q_size] → [hidden]
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # [hidden] → [2 * intermediate]
-    down: Linear  # [intermediate] → [hidden]
-    q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm gain over each head of q before RoPE (Qwen3)
-    k_norm: torch.Tensor | None = None  # [head_dim]
-
-
 class LlamaModel:
     """Weights in their kernels' formats + the two forwards. Holds no per-request state.
 
@@ -122,16 +111,19 @@ class LlamaModel:
         self.fast = fast or quantization is not None
         self.quantization = quantization
         self.embed = weights.embed  # [vocab, hidden]
-        self.norm = weights.norm  # [hidden]
+        self.norm = weights.norm  # [hidden] the final norm's gain (1 + w in fp32 for offset norms, below)
         self.device = weights.embed.device
         self.dtype = weights.embed.dtype
-        self.rope = RotaryEmbedding(cfg, max_positions, self.device)
-        half = cfg.head_dim // 2
-        # rotate_half(x) * sin == roll(x, half) * [-sin | sin]: one table, no negation per step.
-        self._cos = self.rope.cos.to(self.dtype)  # [P, D]
-        self._sin_signed32 = torch.cat([-self.rope.sin[:, :half], self.rope.sin[:, half:]], -1)  # [P, D] fp32
-        self._sin_signed = self._sin_signed32.to(self.dtype)
-        self.scale = cfg.head_dim**-0.5
+        features = cfg.features
+        params = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
+        distinct = list(dict.fromkeys(params))  # the first layer's first: the one most models have alone
+        self.ropes = [RopeTables(RotaryEmbedding(cfg, max_positions, self.device, p), self.dtype) for p in distinct]
+        self.scale = cfg.attention_scale
+        self.attn_softcap, self.final_softcap = cfg.attn_softcap, cfg.final_softcap
+        self.norm_offset = features.norm_offset
+        self.activation = features.activation
+        # transformers multiplies by sqrt(hidden) rounded to the embedding's dtype
+        self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=self.dtype) if features.embed_scale else None
         self.windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]  # None: full causal attention
         # RoPE + cache store in one native call per layer (`engine.native_rope`) where it builds.
         self.native_rope = (self.fast and self.device.type == "cpu" and cfg.head_dim <= MAX_HEAD_DIM
@@ -139,7 +131,7 @@ class LlamaModel:
         self.ws = Workspace()
         self.attention_choice: AttentionChoice | None = (
             choose_decode_attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, decode_attention, self.device,
-                                    self.dtype)
+                                    self.dtype, softcap=self.attn_softcap is not None)
             if self.fast else None
         )
 
@@ -152,6 +144,9 @@ class LlamaModel:
         # One class of linears at a time (so `engine.kernel_choice` can time a class as a step
         # streams it); the loaded tensors are not kept where a packed or int8 kernel replaces them.
         lws = weights.layers
+        if self.norm_offset:  # every gain as it multiplies (1 + w, in fp32), before any is folded
+            self.norm = 1.0 + self.norm.float()
+            lws = [offset_gains(lw) for lw in lws]
         none: list[torch.Tensor | None] = [None] * len(lws)
         classes: dict[str, Callable[[], tuple[list[torch.Tensor], list[torch.Tensor | None]]]] = {
             "qkv": lambda: ([fold(lw.qkv, lw.input_norm) for lw in lws], [lw.qkv_bias for lw in lws]),  # bias: Qwen2
@@ -177,11 +172,14 @@ class LlamaModel:
                 down=built["down"][i],
                 q_norm=lw.q_norm,
                 k_norm=lw.k_norm,
+                attn_out_norm=lw.attn_out_norm,
+                mlp_out_norm=lw.mlp_out_norm,
+                rope=distinct.index(params[i]),
             )
             for i, lw in enumerate(lws)
         ]
         head, choice = build_linears(
-            "lm_head", [fold(weights.lm_head, weights.norm)], [None], fast=self.fast,
+            "lm_head", [fold(weights.lm_head, self.norm)], [None], fast=self.fast,
             quantization=quantization if quantize_lm_head else None, mode=linear_kernels,
         )
         self.lm_head = head[0]
@@ -202,8 +200,8 @@ class LlamaModel:
         choice = self.attention_choice
         if not self.native_rope or choice is None:
             return "not the native fast path (reference path, not a CPU, or no native RoPE + store)"
-        if self.cfg.qk_norm or self.cfg.window_layers:
-            return "the model has q/k norms or sliding-window layers, which the native step does not run"
+        if blockers := self.cfg.native_step_blockers():
+            return f"the model has {', '.join(blockers)}, which the native step does not run"
         if not choice.ms and "native" not in (choice.method, choice.small_method):
             return f"decode attention pinned to {choice.method!r}"
         if (err := native_error()) is not None:
@@ -218,6 +216,8 @@ class LlamaModel:
         norms = [self.norm] + [n for lk in self.layers for n in (lk.input_norm, lk.post_norm)]
         if not self.fast:
             total += sum(n.numel() * n.element_size() for n in norms)
+        sandwich = [n for lk in self.layers for n in (lk.attn_out_norm, lk.mlp_out_norm) if n is not None]
+        total += sum(n.numel() * n.element_size() for n in sandwich)  # never folded
         for lk in self.layers:
             total += sum(k.nbytes for k in (lk.qkv, lk.o_proj, lk.gate_up, lk.down))
         return total
@@ -229,21 +229,30 @@ class LlamaModel:
 
     # -- pieces shared by both forwards ----------------------------------------------------------
 
+    def _norm(self, x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x [..., n] with ``gain`` [n], in the model's norm style."""
+        return rms_norm(x, gain, self.cfg.rms_norm_eps, gain_in_fp32=self.norm_offset)
+
     def _normed(self, kernel: Linear, h: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
         """kernel(RMSNorm(h)); the fast path's kernels fuse the norm (its gain is in their weights)."""
         if not self.fast:
-            return kernel(rms_norm(h, gain, self.cfg.rms_norm_eps))
+            return kernel(self._norm(h, gain))
         return kernel.normed(h, self.cfg.rms_norm_eps)
 
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed[token_ids]  # [T, hidden]
+        return h if self.embed_scale is None else h * self.embed_scale
+
     def _qkv(
-        self, lk: LayerKernels, h: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-        store: RopeStore | None, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+        self, lk: LayerKernels, h: torch.Tensor, positions: torch.Tensor, rot: Rotation, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, slots: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h: [T, hidden] (before the input norm) → q [T, H, D], k [T, KV, D], v [T, KV, D] (q and k
         rotated), k and v written to the layer's cache at ``slots`` (by ``store`` in one native call
         where the model has one)."""
         cfg = self.cfg
         t, hd = h.shape[0], cfg.head_dim
+        store = rot.stores[lk.rope]
         qkv = self._normed(lk.qkv, h, lk.input_norm)  # [T, q + 2kv]
         if lk.q_norm is not None and lk.k_norm is not None:
             qkv = self._qk_normed(qkv, lk.q_norm, lk.k_norm)
@@ -252,13 +261,14 @@ class LlamaModel:
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, hd)
         if not self.fast:
             q, k, _ = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q, k = self.rope.apply(q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd), positions)
+            q, k = self.ropes[lk.rope].rope.apply(q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd),
+                                                  positions)
         elif store is not None:
             store(qkv, k_cache, v_cache)  # rotates q and k in place, then stores k and v
             qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, hd)
             return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
         else:
-            cos, sin = rope  # [T, 1, D] each, in the activation dtype
+            cos, sin = rot.tables[lk.rope]  # [T, 1, D] each, in the activation dtype
             qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, hd)
             qk = torch.addcmul(qk * cos, torch.roll(qk, hd // 2, dims=-1), sin)  # [T, H + KV, D]
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
@@ -268,33 +278,44 @@ class LlamaModel:
     def _qk_normed(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
         """qkv [T, q + 2kv] with q and k RMS-normed per head (transformers' order: before RoPE)."""
         cfg = self.cfg
-        t, hd, eps = qkv.shape[0], cfg.head_dim, cfg.rms_norm_eps
-        q = rms_norm(qkv[:, : cfg.q_size].view(t, cfg.num_heads, hd), q_norm, eps)  # [T, H, D]
-        k = rms_norm(qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, hd), k_norm, eps)
+        t, hd = qkv.shape[0], cfg.head_dim
+        q = self._norm(qkv[:, : cfg.q_size].view(t, cfg.num_heads, hd), q_norm)  # [T, H, D]
+        k = self._norm(qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, hd), k_norm)
         return torch.cat([q.reshape(t, -1), k.reshape(t, -1), qkv[:, cfg.q_size + cfg.kv_size :]], -1)
 
-    def _rope_store(self, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> RopeStore | None:
-        """The forward's native RoPE + cache store (positions and slots checked once), if the model has one."""
-        if not self.native_rope:
-            return None
-        return RopeStore.for_batch(positions, slots, self.rope.cos, self._sin_signed32, self.cfg.num_heads,
-                                   self.cfg.num_kv_heads, cache.k[0].shape[0] * cache.k[0].shape[1])
+    def _rotation(self, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> Rotation:
+        """A forward's RoPE, per distinct table: the native store (positions and slots checked once)
+        where the model has one, else the tables gathered at ``positions`` on the eager fast path."""
+        if self.native_rope:
+            cache_slots = cache.k[0].shape[0] * cache.k[0].shape[1]
+            return Rotation([], [r.store(positions, slots, self.cfg.num_heads, self.cfg.num_kv_heads, cache_slots)
+                                 for r in self.ropes])
+        nones: list[RopeStore | None] = [None] * len(self.ropes)
+        if not self.fast:
+            return Rotation([], nones)  # the reference path rotates layer by layer
+        return Rotation([r.gathered(positions) for r in self.ropes], nones)
 
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.fast or self.native_rope:
-            return self._cos[:0], self._cos[:0]  # unused: indexed per layer (reference) or by the native store
-        return self._cos[positions].unsqueeze(1), self._sin_signed[positions].unsqueeze(1)  # [T, 1, D]
+    def _attention_out(self, lk: LayerKernels, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + o_proj(attn) [T, hidden] (the add fused into o_proj), or with a norm on o_proj's output first."""
+        if lk.attn_out_norm is None:
+            return lk.o_proj(attn, residual=h)
+        return h + self._norm(lk.o_proj(attn), lk.attn_out_norm)
 
     def _mlp(self, lk: LayerKernels, h: torch.Tensor) -> torch.Tensor:
-        """h: [T, hidden] → h + mlp(norm(h))."""
+        """h: [T, hidden] → h + mlp(norm(h)) (a norm on the MLP's output first where the layer has one)."""
         gate_up = self._normed(lk.gate_up, h, lk.post_norm)  # [T, 2I]
-        if self.fast:
-            return lk.down.glu(gate_up, residual=h)
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-        return lk.down(F.silu(gate) * up, residual=h)
+        residual = h if lk.mlp_out_norm is None else None  # fused into down where nothing comes between
+        if self.activation == "silu" and self.fast:
+            out = lk.down.glu(gate_up, residual=residual)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+            act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+            out = lk.down(act * up, residual=residual)
+        return out if lk.mlp_out_norm is None else h + self._norm(out, lk.mlp_out_norm)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self._normed(self.lm_head, h, self.norm).float()  # [N, vocab]
+        logits = self._normed(self.lm_head, h, self.norm).float()  # [N, vocab]
+        return logits if self.final_softcap is None else soft_cap(logits, self.final_softcap)
 
     # -- forwards ----------------------------------------------------------------------------------
 
@@ -302,12 +323,11 @@ class LlamaModel:
     def prefill(self, batch: PrefillBatch, cache: KVCache) -> torch.Tensor:
         """Returns fp32 logits [N, vocab] for the rows in ``batch.logits_index``."""
         cfg = self.cfg
-        h = self.embed[batch.token_ids]  # [T, hidden]
-        rope = self._rope_tables(batch.positions)
+        h = self._embed(batch.token_ids)  # [T, hidden]
         bs = cache.block_size
-        store = self._rope_store(batch.positions, batch.slots, cache)
+        rot = self._rotation(batch.positions, batch.slots, cache)
         for li, lk in enumerate(self.layers):
-            q, k, v = self._qkv(lk, h, batch.positions, rope, store, cache.k[li], cache.v[li], batch.slots)
+            q, k, v = self._qkv(lk, h, batch.positions, rot, cache.k[li], cache.v[li], batch.slots)
             outs = []
             offset = 0
             for n, start, blocks in zip(batch.seq_lens, batch.start_positions, batch.context_blocks, strict=True):
@@ -320,12 +340,12 @@ class LlamaModel:
                 outs.append(
                     prefill_attention(
                         q[sl], k[sl], v[sl], cache.k[li], cache.v[li], start, slots, self.scale, blocks,
-                        native=self.fast, window=self.windows[li],
+                        native=self.fast, window=self.windows[li], softcap=self.attn_softcap,
                     )
                 )
                 offset += n
             attn = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H, D]
-            h = lk.o_proj(attn.reshape(attn.shape[0], cfg.q_size), residual=h)
+            h = self._attention_out(lk, attn.reshape(attn.shape[0], cfg.q_size), h)
             h = self._mlp(lk, h)
         return self._logits(h[batch.logits_index])
 
@@ -338,18 +358,18 @@ class LlamaModel:
         groups = batch.groups or [
             PagedDecodeMeta(block_ids=batch.block_table.reshape(-1), bias=batch.bias, batch=b, n_blocks=n_blocks)
         ]
-        h = self.embed[batch.token_ids]  # [B, hidden]
-        rope = self._rope_tables(batch.positions)
-        store = self._rope_store(batch.positions, batch.slots, cache)
+        h = self._embed(batch.token_ids)  # [B, hidden]
+        rot = self._rotation(batch.positions, batch.slots, cache)
+        store = rot.stores[0]
         if self.native_step is not None and store is not None and b <= self.native_step.max_rows:
             return self.native_step(h, store, batch.block_table, cache.k, cache.v).float()  # same as the loop below
         windowed = {w: [windowed_meta(m, w) for m in groups] for w in set(self.windows) if w is not None}
         for li, lk in enumerate(self.layers):
-            q, _, _ = self._qkv(lk, h, batch.positions, rope, store, cache.k[li], cache.v[li], batch.slots)
+            q, _, _ = self._qkv(lk, h, batch.positions, rot, cache.k[li], cache.v[li], batch.slots)
             w = self.windows[li]
             attn = self._grouped_attention(q, cache.k[li], cache.v[li], groups if w is None else windowed[w],
                                            bias_only=w is not None)
-            h = lk.o_proj(attn, residual=h)
+            h = self._attention_out(lk, attn, h)
             h = self._mlp(lk, h)
         return self._logits(h)
 
@@ -361,11 +381,13 @@ class LlamaModel:
         are in their biases only (a windowed layer's), so no method that reads lengths instead."""
         if len(groups) == 1:
             return paged_decode_attention(q, k_cache, v_cache, groups[0], self.ws, self.scale,
-                                          self._decode_method(groups[0], k_cache.shape[1], bias_only))
+                                          self._decode_method(groups[0], k_cache.shape[1], bias_only),
+                                          self.attn_softcap)
         outs, start = [], 0
         for meta in groups:
             outs.append(paged_decode_attention(q[start : start + meta.batch], k_cache, v_cache, meta, self.ws,
-                                               self.scale, self._decode_method(meta, k_cache.shape[1], bias_only)))
+                                               self.scale, self._decode_method(meta, k_cache.shape[1], bias_only),
+                                               self.attn_softcap))
             start += meta.batch
         return torch.cat(outs)
 
@@ -394,28 +416,17 @@ class LlamaModel:
         cols = torch.arange(max_len, device=self.device)  # [L]
         slot_table = batch.block_table[:, cols // bs] * bs + cols % bs  # [B, L]
         valid = cols.unsqueeze(0) <= batch.positions.unsqueeze(1)  # [B, L]
-        h = self.embed[batch.token_ids]  # [B, hidden]
+        h = self._embed(batch.token_ids)  # [B, hidden]
         b = h.shape[0]
+        rot = self._rotation(batch.positions, batch.slots, cache)
         for li, lk in enumerate(self.layers):
-            q, _, _ = self._qkv(lk, h, batch.positions, self._rope_tables(batch.positions), None, cache.k[li],
-                                cache.v[li], batch.slots)
+            q, _, _ = self._qkv(lk, h, batch.positions, rot, cache.k[li], cache.v[li], batch.slots)
             w = self.windows[li]
             seen = valid if w is None else valid & (cols.unsqueeze(0) > (batch.positions - w).unsqueeze(1))
-            attn = decode_attention(q, cache.k[li], cache.v[li], slot_table, seen, self.scale)
-            h = lk.o_proj(attn.reshape(b, cfg.q_size), residual=h)
+            attn = decode_attention(q, cache.k[li], cache.v[li], slot_table, seen, self.scale, self.attn_softcap)
+            h = self._attention_out(lk, attn.reshape(b, cfg.q_size), h)
             h = self._mlp(lk, h)
         return self._logits(h)
-
-
-def windowed_meta(meta: PagedDecodeMeta, window: int) -> PagedDecodeMeta:
-    """``meta`` for a layer that sees only the last ``window`` positions (its own included): the
-    earlier ones masked in the bias too; its lengths stay the full ones (only the bias carries the
-    window, so the caller must not pick a method that reads lengths alone)."""
-    pos = meta.visible() - 1  # [B]
-    cols = torch.arange(meta.bias.shape[-1], device=meta.bias.device)  # [L]
-    hidden = (cols.unsqueeze(0) <= (pos - window).unsqueeze(1)).unsqueeze(1)  # [B, 1, L]
-    return PagedDecodeMeta(block_ids=meta.block_ids, bias=meta.bias.masked_fill(hidden, float("-inf")),
-                           batch=meta.batch, n_blocks=meta.n_blocks, lengths=pos + 1)
 
 
 def build_model(cfg: ModelConfig, weights: ModelWeights, max_positions: int, config: EngineConfig) -> LlamaModel:

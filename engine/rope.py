@@ -1,7 +1,8 @@
 """Rotary position embeddings (Hugging Face ``rotate_half`` convention), with llama3, linear and
 yarn scaling.
 
-Owns: the cos/sin tables and their application to q and k.
+Owns: the cos/sin tables and their application to q and k (`RotaryEmbedding`), and the same tables
+in the fast path's formats (`RopeTables`: one signed sine table for a roll, the native store's).
 Invariant: tables are computed in fp32 and cast to the activation dtype on use, as transformers does.
 """
 
@@ -11,7 +12,8 @@ import math
 
 import torch
 
-from engine.config import ModelConfig, RopeScaling
+from engine.config import ModelConfig, RopeParams, RopeScaling
+from engine.native_rope import RopeStore
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -54,14 +56,18 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, s: RopeScalin
 
 
 class RotaryEmbedding:
-    """Precomputed ``cos``/``sin`` of shape ``[max_positions, head_dim]``."""
+    """Precomputed ``cos``/``sin`` of shape ``[max_positions, head_dim]``, for ``params`` (default:
+    the config's ``rope_theta`` and ``rope_scaling``, every layer's but where `ModelConfig.layer_rope`
+    says otherwise)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device) -> None:
-        inv_freq = _inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device,
+                 params: RopeParams | None = None) -> None:
+        theta, scaling = (cfg.rope_theta, cfg.rope_scaling) if params is None else (params.theta, params.scaling)
+        inv_freq = _inv_freq(cfg.head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        gain = cfg.rope_scaling.attention_factor if cfg.rope_scaling is not None else 1.0  # yarn's
+        gain = scaling.attention_factor if scaling is not None else 1.0  # yarn's
         self.cos = (emb.cos() * gain).to(device)
         self.sin = (emb.sin() * gain).to(device)
         self.max_positions = max_positions
@@ -73,6 +79,29 @@ class RotaryEmbedding:
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class RopeTables:
+    """One `RotaryEmbedding` and its tables in the fast path's formats (the model holds one per
+    distinct `RopeParams` of its layers)."""
+
+    def __init__(self, rope: RotaryEmbedding, dtype: torch.dtype) -> None:
+        self.rope = rope
+        half = rope.cos.shape[1] // 2
+        # rotate_half(x) * sin == roll(x, half) * [-sin | sin]: one table, no negation per step.
+        self.cos = rope.cos.to(dtype)  # [P, D]
+        self.sin_signed32 = torch.cat([-rope.sin[:, :half], rope.sin[:, half:]], -1)  # [P, D] fp32
+        self.sin_signed = self.sin_signed32.to(dtype)
+
+    def gathered(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin at ``positions`` [T] → [T, 1, D] each, in the activation dtype."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+
+    def store(self, positions: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
+              cache_slots: int) -> RopeStore:
+        """The native RoPE + cache store of one forward (positions and slots checked once)."""
+        return RopeStore.for_batch(positions, slots, self.rope.cos, self.sin_signed32, num_heads, num_kv_heads,
+                                   cache_slots)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

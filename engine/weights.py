@@ -4,9 +4,12 @@ Owns: finding the weight files (single file, sharded with an index, or a glob), 
 tensor the config implies is there with the right shape, fusing q/k/v and gate/up, and casting to
 the engine's dtype and device.
 
+Tensor names are the family's (`engine.families.WeightNames`): the loader knows no family by name.
+
 Invariants: either a complete `ModelWeights` is returned or `ModelLoadError` is raised naming the
 file and the tensor; nothing partially loaded escapes. Fusion order is fixed: ``qkv = [q; k; v]``
-and ``gate_up = [gate; up]`` along dim 0.
+and ``gate_up = [gate; up]`` along dim 0. Norm gains are kept as the checkpoint stores them (``w``
+even where the family's norm multiplies by ``1 + w``).
 """
 
 from __future__ import annotations
@@ -21,9 +24,6 @@ from safetensors import SafetensorError, safe_open
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 
-#: families whose checkpoints store q/k/v and gate/up fused, in our order
-FUSED_IN_CHECKPOINT = ("phi3",)
-
 
 @dataclass
 class LayerWeights:
@@ -31,11 +31,13 @@ class LayerWeights:
     qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
     o_proj: torch.Tensor  # [hidden, q_size]
-    post_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden] before the MLP (Llama's post_attention_layernorm, Gemma's pre_feedforward)
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
     q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3: RMSNorm over each head of q)
     k_norm: torch.Tensor | None = None  # [head_dim]
+    attn_out_norm: torch.Tensor | None = None  # [hidden] on o_proj's output before the residual add (Gemma)
+    mlp_out_norm: torch.Tensor | None = None  # [hidden] on down's output before the residual add (Gemma)
 
 
 @dataclass
@@ -102,48 +104,55 @@ def load_weights(
         return t.to(device=device, dtype=dtype)
 
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    embed = take("model.embed_tokens.weight", (cfg.vocab_size, h))
+    names = cfg.features.names
+
+    def weight(template: str, i: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return take(template.format(i=i) + ".weight", shape)
+
+    def optional(template: str | None, i: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return None if template is None else weight(template, i, shape)
+
+    embed = take(names.embed + ".weight", (cfg.vocab_size, h))
     layers: list[LayerWeights] = []
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        if cfg.family in FUSED_IN_CHECKPOINT:  # Phi-3: qkv_proj = [q; k; v], gate_up_proj = [gate; up] already
-            qkv = take(p + "self_attn.qkv_proj.weight", (q + 2 * kv, h))
-            gate_up = take(p + "mlp.gate_up_proj.weight", (2 * inter, h))
+        if names.qkv is not None:  # Phi-3: qkv_proj = [q; k; v] already
+            qkv = weight(names.qkv, i, (q + 2 * kv, h))
         else:
-            qkv = torch.cat([take(p + "self_attn.q_proj.weight", (q, h)), take(p + "self_attn.k_proj.weight", (kv, h)),
-                             take(p + "self_attn.v_proj.weight", (kv, h))])
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight", (inter, h)),
-                                 take(p + "mlp.up_proj.weight", (inter, h))])
+            qkv = torch.cat([weight(names.q, i, (q, h)), weight(names.k, i, (kv, h)),
+                             weight(names.v, i, (kv, h))])
+        if names.gate_up is not None:  # Phi-3: gate_up_proj = [gate; up] already
+            gate_up = weight(names.gate_up, i, (2 * inter, h))
+        else:
+            gate_up = torch.cat([weight(names.gate, i, (inter, h)), weight(names.up, i, (inter, h))])
         bias = None
         if cfg.attention_bias:
-            bias = torch.cat(
-                [
-                    take(p + "self_attn.q_proj.bias", (q,)),
-                    take(p + "self_attn.k_proj.bias", (kv,)),
-                    take(p + "self_attn.v_proj.bias", (kv,)),
-                ]
-            )
+            bias = torch.cat([take(names.q.format(i=i) + ".bias", (q,)), take(names.k.format(i=i) + ".bias", (kv,)),
+                              take(names.v.format(i=i) + ".bias", (kv,))])
+        qk_names = (names.q_norm, names.k_norm) if cfg.qk_norm else (None, None)
         layers.append(
             LayerWeights(
-                input_norm=take(p + "input_layernorm.weight", (h,)),
+                input_norm=weight(names.input_norm, i, (h,)),
                 qkv=qkv,
                 qkv_bias=bias,
-                o_proj=take(p + "self_attn.o_proj.weight", (h, q)),
-                post_norm=take(p + "post_attention_layernorm.weight", (h,)),
+                o_proj=weight(names.o, i, (h, q)),
+                post_norm=weight(names.pre_mlp_norm, i, (h,)),
                 gate_up=gate_up,
-                down=take(p + "mlp.down_proj.weight", (h, inter)),
-                q_norm=take(p + "self_attn.q_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
-                k_norm=take(p + "self_attn.k_norm.weight", (cfg.head_dim,)) if cfg.qk_norm else None,
+                down=weight(names.down, i, (h, inter)),
+                q_norm=optional(qk_names[0], i, (cfg.head_dim,)),
+                k_norm=optional(qk_names[1], i, (cfg.head_dim,)),
+                attn_out_norm=optional(names.attn_out_norm, i, (h,)),
+                mlp_out_norm=optional(names.mlp_out_norm, i, (h,)),
             )
         )
-    norm = take("model.norm.weight", (h,))
-    if cfg.tie_word_embeddings or "lm_head.weight" not in raw:
+    norm = take(names.final_norm + ".weight", (h,))
+    lm_head_name = names.lm_head + ".weight"
+    if cfg.tie_word_embeddings or lm_head_name not in raw:
         if not cfg.tie_word_embeddings:
-            raise ModelLoadError(f"{where}: weight 'lm_head.weight' is missing (embeddings are not tied)")
+            raise ModelLoadError(f"{where}: weight {lm_head_name!r} is missing (embeddings are not tied)")
         lm_head = embed
     else:
-        lm_head = take("lm_head.weight", (cfg.vocab_size, h))
-    extra_layer = f"model.layers.{cfg.num_layers}.input_layernorm.weight"
+        lm_head = take(lm_head_name, (cfg.vocab_size, h))
+    extra_layer = names.input_norm.format(i=cfg.num_layers) + ".weight"
     if extra_layer in raw:
         raise ModelLoadError(
             f"{origin[extra_layer]}: config does not match weights: the file has more than "

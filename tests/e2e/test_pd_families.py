@@ -21,6 +21,9 @@ pytestmark = pytest.mark.timeout(300)
 MODELS = {
     "qwen3-window": ("qwen3", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),
     "mistral-window": ("mistral", {"sliding_window": 20}),
+    # local / global layers alternating; Gemma 2's attention and final soft-caps; Gemma 3's local RoPE base
+    "gemma2-window": ("gemma2", {"sliding_window": 20}),
+    "gemma3-window": ("gemma3", {"sliding_window": 24}),
 }
 PROMPTS = (30, 75, 140)  # tokens; each longer than the window, one beyond a 64-token chunk twice
 NEW = 24

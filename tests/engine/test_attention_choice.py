@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import attention_choice, compiled_attention
-from engine.attention import DECODE_METHODS, GATHERED_METHODS
+from engine.attention import DECODE_METHODS, GATHERED_METHODS, SOFTCAP_METHODS
 from engine.attention_choice import AttentionChoice, choose_decode_attention, compiled_error, time_methods
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -131,3 +131,20 @@ def test_a_compiled_engine_does_not_compile_while_serving(tmp_path: Path, dtype:
         for s in seqs:
             eng.pool.free(list(s.block_table))
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_soft_capping_model_gets_only_methods_that_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    timed: list[tuple[str, ...]] = []
+
+    def fake(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+             methods: tuple[str, ...]) -> dict[str, dict[str, float]]:
+        timed.append(methods)
+        return {m: {"2x48": 1.0, "4x96": 1.0} for m in methods}
+
+    monkeypatch.setattr(attention_choice, "time_methods", fake)
+    assert choose_decode_attention(6, 2, 16, softcap=True).method in SOFTCAP_METHODS
+    assert timed == [SOFTCAP_METHODS]
+    assert choose_decode_attention(6, 2, 16, "auto", "meta", softcap=True) == AttentionChoice(SOFTCAP_METHODS[0])
+    for pinned in ("sdpa", "compiled", "native"):
+        with pytest.raises(ValueError, match="cannot soft-cap"):
+            choose_decode_attention(6, 2, 16, pinned, softcap=True)

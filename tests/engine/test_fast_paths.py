@@ -122,13 +122,15 @@ def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path, small_rows:
     assert fast_err <= 2 * ref_err + 1e-3, (fast_err, ref_err)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("method", "softcap"), [
+    pytest.param(m, None, marks=needs_cxx) if m in ("compiled", "native") else (m, None)
+    for m in attention.DECODE_METHODS] + [(m, 2.0) for m in attention.SOFTCAP_METHODS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # bf16: the first three are small steps (fp32 after a cast), the last one the block-diagonal bf16 bmm path.
 @pytest.mark.parametrize(("kv_heads", "group", "lengths"),
                          [(1, 1, [1]), (2, 3, [1, 9, 16, 40]), (3, 3, [300]), (2, 3, [100, 700, 5])])
 def test_paged_decode_attention_matches_reference(dtype: torch.dtype, kv_heads: int, group: int,
-                                                   lengths: list[int], method: str) -> None:
+                                                   lengths: list[int], method: str, softcap: float | None) -> None:
     g = torch.Generator().manual_seed(len(lengths) * 7 + kv_heads)
     d, bs, nb = 16, 16, 64
     kc = torch.randn(nb, bs, kv_heads, d, generator=g).to(dtype)
@@ -150,12 +152,43 @@ def test_paged_decode_attention_matches_reference(dtype: torch.dtype, kv_heads: 
     ws = Workspace()
     for _ in range(2):  # a second call reuses the workspace buffers
         got = paged_decode_attention(q, kc, vc, PagedDecodeMeta(table.reshape(-1), bias, b, n_blocks), ws, d**-0.5,
-                                     method)
+                                     method, softcap)
     ctx = torch.arange(int(pos.max()) + 1)
     slot_table = table[:, ctx // bs] * bs + ctx % bs
-    want = decode_attention(q.float(), kc.float(), vc.float(), slot_table, ctx[None] <= pos[:, None], d**-0.5)
+    want = decode_attention(q.float(), kc.float(), vc.float(), slot_table, ctx[None] <= pos[:, None], d**-0.5,
+                            softcap)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want.reshape(b, -1), atol=tol, rtol=tol)
+    if softcap is not None:  # the reference itself against transformers' eager formula, one sequence at a time
+        for i, n in enumerate(lengths):
+            k = kc.float().flatten(0, 1)[slot_table[i, :n]].repeat_interleave(group, 1)  # [n, H, D]
+            v = vc.float().flatten(0, 1)[slot_table[i, :n]].repeat_interleave(group, 1)
+            s = torch.einsum("hd,nhd->hn", q[i].float(), k) * d**-0.5
+            p = torch.softmax(torch.tanh(s / softcap) * softcap, -1)  # [H, n]
+            torch.testing.assert_close(want[i], torch.einsum("hn,nhd->hd", p, v), atol=1e-5, rtol=1e-5)
+
+
+def test_softcapped_prefill_matches_eager_formula() -> None:
+    """`explicit_prefill_attention` in blocks of queries, after a context and in a window, against
+    transformers' eager order (scale, cap, mask, softmax), and SDPA where nothing is capped."""
+    g = torch.Generator().manual_seed(3)
+    kvh, group, d, start, s_len = 2, 3, 16, 20, 37
+    q = torch.randn(s_len, kvh * group, d, generator=g)
+    k, v = torch.randn(start + s_len, kvh, d, generator=g), torch.randn(start + s_len, kvh, d, generator=g)
+    q_pos, k_pos = torch.arange(start, start + s_len)[:, None], torch.arange(start + s_len)[None]
+    for window, cap in ((None, 2.0), (9, 2.0), (9, None)):
+        seen = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)  # [S, L]
+        s = torch.einsum("shd,lhd->hsl", q, k.repeat_interleave(group, 1)) * d**-0.5
+        s = s if cap is None else torch.tanh(s / cap) * cap
+        p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1)
+        want = torch.einsum("hsl,lhd->shd", p, v.repeat_interleave(group, 1))
+        for budget in (10**9, 1000):  # one block; blocks of a few rows
+            attention.SCORE_BLOCK_ELEMENTS, old = budget, attention.SCORE_BLOCK_ELEMENTS
+            try:
+                got = attention.explicit_prefill_attention(q, k, v, start, d**-0.5, cap, window)
+            finally:
+                attention.SCORE_BLOCK_ELEMENTS = old
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_workspace_reuse_across_batch_sizes_keeps_zeros() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, RopeParams
 from engine.errors import ModelLoadError
 
 BASE: dict[str, Any] = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -30,6 +30,9 @@ def test_windows_per_family_match_transformers() -> None:
         ("Qwen3ForCausalLM", transformers.Qwen3Config, {"use_sliding_window": True, "sliding_window": 8,
                                                          "max_window_layers": 1}),
         ("LlamaForCausalLM", transformers.LlamaConfig, {"sliding_window": 8}),
+        ("Gemma2ForCausalLM", transformers.Gemma2Config, {"sliding_window": 8}),
+        ("Gemma3ForCausalLM", transformers.Gemma3TextConfig, {"sliding_window": 8}),
+        ("Gemma3ForCausalLM", transformers.Gemma3TextConfig, {"sliding_window": 8, "sliding_window_pattern": 3}),
     ]
     for arch, hf_cls, fields in cases:
         ours = cfg(arch, **fields)
@@ -47,6 +50,50 @@ def test_windows_per_family_match_transformers() -> None:
               layer_types=["sliding_attention", "full_attention"] * 2)
     assert got.window_layers == (0, 2)
     assert cfg("Qwen3ForCausalLM").qk_norm and not cfg("Qwen2ForCausalLM").qk_norm
+
+
+def test_gemma_reads_its_fields_and_defaults_as_transformers_does() -> None:
+    import transformers
+
+    g2, hf2 = cfg("Gemma2ForCausalLM"), transformers.Gemma2Config(**BASE)  # the file leaves Gemma's fields out
+    assert (g2.head_dim, g2.query_pre_attn_scalar, g2.attn_softcap, g2.final_softcap, g2.tie_word_embeddings) == (
+        hf2.head_dim, hf2.query_pre_attn_scalar, hf2.attn_logit_softcapping, hf2.final_logit_softcapping, True)
+    assert g2.attention_scale == hf2.query_pre_attn_scalar**-0.5 and g2.sliding_rope is None
+    assert cfg("Gemma2ForCausalLM", final_logit_softcapping=None).final_softcap is None  # null: no cap
+    assert cfg("LlamaForCausalLM", final_logit_softcapping=30.0).final_softcap is None  # Llama never caps
+    assert cfg("LlamaForCausalLM").attention_scale == 16**-0.5  # head_dim 64 / 4 heads
+
+    # Gemma 3, older files: rope_theta (global layers, scaled), rope_local_base_freq (local layers, unscaled)
+    old = dict(rope_theta=5e5, rope_local_base_freq=1e3, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    keyed = transformers.Gemma3TextConfig(**BASE, **old).rope_parameters  # transformers 5: keyed by layer type
+    for fields in (old, {"rope_parameters": keyed}):
+        g3 = cfg("Gemma3ForCausalLM", sliding_window=8, **fields)
+        assert g3.window_layers == (0, 1, 2, 3)  # every 6th layer is global: none of 4
+        assert (g3.rope_theta, g3.rope_scaling and g3.rope_scaling.factor) == (5e5, 8.0)
+        assert g3.sliding_rope == RopeParams(1e3, None) and g3.layer_rope(0) == g3.sliding_rope
+    g3 = cfg("Gemma3ForCausalLM", layer_types=["sliding_attention", "full_attention"] * 2)  # defaults: 1e4 / 1e6
+    assert (g3.layer_rope(0), g3.layer_rope(1)) == (RopeParams(1e4), RopeParams(1e6))
+    assert g3.qk_norm and g3.final_softcap is None and g3.attn_softcap is None
+
+
+@pytest.mark.parametrize(("arch", "fields", "named"), [
+    ("Gemma3ForConditionalGeneration", {"model_type": "gemma3"}, "architecture"),
+    ("GemmaForCausalLM", {"model_type": "gemma"}, "architecture"),
+    ("Gemma2ForCausalLM", {"hidden_activation": "gelu"}, "hidden_activation"),
+    ("Gemma3ForCausalLM", {"hidden_activation": "silu"}, "hidden_activation"),
+    ("Gemma2ForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("Gemma3ForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("Gemma3ForCausalLM", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("Gemma2ForCausalLM", {"attn_logit_softcapping": 0.0}, "attn_logit_softcapping"),
+    ("Gemma2ForCausalLM", {"attention_bias": True}, "attention_bias"),
+    ("Gemma2ForCausalLM", {"sliding_window": None}, "sliding_window"),
+    ("Gemma3ForCausalLM", {"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0},
+                                               "sliding_attention": {"rope_type": "default"}}}, "rope_scaling"),
+    ("LlamaForCausalLM", {"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "rope_parameters"),
+])
+def test_a_gemma_config_we_cannot_run_exactly_is_refused_by_name(arch: str, fields: dict[str, Any], named: str) -> None:
+    with pytest.raises(ModelLoadError, match=named):
+        cfg(arch, **fields)
 
 
 @pytest.mark.parametrize(("fields", "named"), [

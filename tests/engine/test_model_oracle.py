@@ -25,6 +25,11 @@ FAMILIES = {
     "mistral-window": {"sliding_window": 16},
     "qwen2-window": {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1},
     "qwen3-window": {"use_sliding_window": True, "sliding_window": 10, "max_window_layers": 1},
+    # local / global layers alternating, window 16; attention and final soft-caps 5 and 3 (`make_tiny`)
+    "gemma2": {},
+    "gemma3": {},
+    # the global layers' RoPE scaled, the local ones' not; head size 64: the C++ prefill attention
+    "gemma3-linear-rope": {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "head_dim": 64},
     "llama3-rope": {
         "rope_scaling": {
             "rope_type": "llama3",
@@ -42,7 +47,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     import transformers
 
     name = request.param
-    family = next((f for f in ("qwen2", "qwen3", "mistral", "phi3") if name.startswith(f)), "llama")
+    family = next((f for f in ("qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3") if name.startswith(f)), "llama")
     path = make_tiny(family, tmp_path_factory.mktemp(name), **FAMILIES[name])
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eng = Engine.from_dir(path, EngineConfig(num_blocks=128, block_size=8, enable_prefix_cache=True))

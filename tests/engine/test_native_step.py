@@ -17,7 +17,6 @@ import torch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
-from engine.native_rope import RopeStore
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from engine.weights import load_weights
 from tests.support.markers import needs_cxx
@@ -90,8 +89,7 @@ def test_every_index_is_checked_before_the_kernel_runs(tiny_dir: Path) -> None:
     assert step is not None
     cfg = m.cfg
     slots = cache.k[0].shape[0] * BLOCK
-    store = RopeStore.for_batch(torch.tensor([20]), torch.tensor([3]), m.rope.cos, m._sin_signed32, cfg.num_heads,
-                                cfg.num_kv_heads, slots)
+    store = m.ropes[0].store(torch.tensor([20]), torch.tensor([3]), cfg.num_heads, cfg.num_kv_heads, slots)
     h = torch.zeros(1, cfg.hidden_size)
     with pytest.raises(ValueError, match="a position lies past its block table"):
         step(h, store, torch.tensor([[0, 1]]), cache.k, cache.v)  # 2 blocks of 8 hold positions 0..15

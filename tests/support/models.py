@@ -25,8 +25,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 
 def make_tiny(family: str, path: Path, seed: int = 0, **overrides: object) -> Path:
-    """Build a tiny random ``llama``, ``mistral``, ``qwen2``, ``qwen3`` or ``phi3`` model with transformers
-    and save it to ``path``; the newer families' norm gains are random too, so a misplaced norm shows."""
+    """Build a tiny random ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``gemma2`` or ``gemma3``
+    model with transformers and save it to ``path``; the newer families' norm gains are random too, so a
+    misplaced norm shows."""
     import transformers
 
     torch.manual_seed(seed)
@@ -65,13 +66,28 @@ def make_tiny(family: str, path: Path, seed: int = 0, **overrides: object) -> Pa
     elif family == "qwen3":
         cfg = transformers.Qwen3Config(**{"head_dim": 32, **common})  # head_dim != hidden / heads, as Qwen3's
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif family in ("gemma2", "gemma3"):
+        # head_dim != hidden / heads and query_pre_attn_scalar != head_dim, as in Gemma's own configs; local
+        # and global layers alternate, the window shorter than the tests' prompts; weights large enough
+        # (initializer_range) that the soft-caps change the scores and logits
+        gemma: dict[str, object] = {**common, "head_dim": 32, "query_pre_attn_scalar": 24, "pad_token_id": 0,
+                                    "sliding_window": 16, "num_hidden_layers": 4, "initializer_range": 0.2,
+                                    "layer_types": ["sliding_attention", "full_attention"] * 2}
+        if family == "gemma2":
+            cfg = transformers.Gemma2Config(**{**gemma, "attn_logit_softcapping": 5.0,
+                                               "final_logit_softcapping": 3.0, **overrides})
+            model = transformers.Gemma2ForCausalLM(cfg)
+        else:
+            cfg = transformers.Gemma3TextConfig(**{**gemma, "rope_theta": 100000.0, "rope_local_base_freq": 10000.0,
+                                                   **overrides})
+            model = transformers.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(family)
-    if family in ("mistral", "qwen3", "phi3"):
+    if family in ("mistral", "qwen3", "phi3", "gemma2", "gemma3"):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
-                    p.normal_(1.0, 0.3)
+                    p.normal_(0.0 if family.startswith("gemma") else 1.0, 0.3)  # Gemma's gains are 1 + w
     model = model.float().eval()
     model.save_pretrained(path, safe_serialization=True)
     return path
