@@ -67,6 +67,7 @@ class Delta:
     logprobs: tuple[float | None, ...]
     finish_reason: str | None = None
     top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token when the request asks, else empty
+    cached_tokens: int = 0  # on token 0's delta: prompt tokens the prefill took from its prefix cache
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Generation:
                 delta = self._advance(st, inp, detok, stops, stop_ids, (result.token_id,), (result.logprob,),
                                       (result.top_logprobs,),
                                       result.finish_reason if result.finished else None)
-                yield self._sent(st, delta)
+                yield self._sent(st, dataclasses.replace(delta, cached_tokens=result.num_cached_tokens))
                 if st.finish_reason is not None:
                     return
                 first, handle = result.token_id, result.handle

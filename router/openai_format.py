@@ -59,6 +59,7 @@ class Formatter:
     include_usage: bool = False
     created: int = field(default_factory=now)
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (the prefill replica's count)
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float | None] = field(default_factory=list)
@@ -72,6 +73,7 @@ class Formatter:
 
     def add(self, delta: Delta) -> None:
         self.completion_tokens += len(delta.token_ids)
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.token_logprobs.extend(delta.logprobs)
@@ -80,7 +82,7 @@ class Formatter:
 
     @property
     def usage(self) -> Usage:
-        return Usage.of(self.prompt_tokens, self.completion_tokens)
+        return Usage.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def chunk(self, delta: Delta) -> BaseModel:
         raise NotImplementedError

@@ -207,15 +207,21 @@ class ChatCompletionRequest(GenerationRequest):
 # ---------------------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionLogprobs(BaseModel):

@@ -108,6 +108,26 @@ def test_greedy_chat_over_http_equals_reference(cluster: str, oracle, app: str) 
         assert usage is not None and usage.completion_tokens == n_out
 
 
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(cluster: str) -> None:
+    """The same long prompt twice: the second prefill reuses the first one's full blocks, and usage
+    says how many prompt tokens that was; the colocated pool has no prefix cache and says 0."""
+    text = " ".join(f"item {i} is number {i * 7} in the list;" for i in range(24)) + " Summarize."
+    messages = [{"role": "user", "content": text}]
+    first, second = (client(cluster, "pd").chat.completions.create(
+        model=DEFAULT_MODEL, messages=messages, max_tokens=2, temperature=0) for _ in range(2))
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.prompt_tokens_details is not None and second.usage.prompt_tokens_details is not None
+    n = second.usage.prompt_tokens
+    # the first may reuse the chat template's default system prompt, which other tests sent before
+    assert first.usage.prompt_tokens_details.cached_tokens < (n - 1) // 16 * 16
+    # every full block of the prompt but its last token
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    colo = client(cluster, "colo").chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=2,
+                                                          temperature=0)
+    assert colo.usage is not None and colo.usage.prompt_tokens_details is not None
+    assert colo.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_seeded_sampling_is_reproducible_across_modes(cluster: str) -> None:
     """Per-token seeding: the same seed gives the same text, disaggregated or colocated."""
     kw: dict[str, Any] = dict(model=DEFAULT_MODEL, prompt="Once upon a time", max_tokens=20, temperature=0.9, seed=7)
