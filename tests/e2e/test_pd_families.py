@@ -26,7 +26,7 @@ MODELS = {
     "gemma3-window": ("gemma3", {"sliding_window": 24}),
 }
 PROMPTS = (30, 75, 140)  # tokens; each longer than the window, one beyond a 64-token chunk twice
-NEW = 24
+NEW = 48  # greedy positions compared per prompt
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

@@ -151,10 +151,10 @@ def test_generate_matches_hf_greedy(pair) -> None:
 
     hf, eng = pair
     ids = rand_ids(12, 99)
-    out = generate(eng, ids, SamplingParams(max_tokens=20, ignore_eos=True), eos_token_ids=())
+    out = generate(eng, ids, SamplingParams(max_tokens=48, ignore_eos=True), eos_token_ids=())
     with torch.no_grad():
         ref = hf.generate(
-            torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
+            torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=0
         )[0, len(ids):].tolist()
     assert out.token_ids == ref
 
