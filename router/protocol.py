@@ -161,6 +161,17 @@ class ChatMessage(BaseModel):
     tool_calls: list[Any] | None = None  # an assistant's earlier tool calls: refused (no tools)
     function_call: Any | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unserved_keys(cls, data: Any) -> Any:
+        """A message key we do not serve (``tool_call_id``, ``audio``, ``refusal``...) is refused when
+        it carries a value; empty ones (a client echoing a response's message back) are dropped."""
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if key not in cls.model_fields and value not in (None, "", [], {}):
+                    raise ValueError(f"the message field {key!r} is not supported")
+        return data
+
     @field_validator("tool_calls", "function_call")
     @classmethod
     def _no_calls(cls, v: Any) -> Any:
@@ -185,9 +196,13 @@ class ChatMessage(BaseModel):
         return "".join(p.text or "" for p in self.content)
 
     def to_template(self) -> dict[str, str]:
-        """The plain ``{"role", "content"}`` dict chat templates expect (developer reads as system)."""
+        """The ``{"role", "content"}`` dict chat templates expect (developer reads as system), with the
+        participant's ``name`` when given (templates that know it render it, as in vLLM)."""
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+        out = {"role": role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(GenerationRequest):

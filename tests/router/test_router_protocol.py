@@ -149,3 +149,20 @@ def test_sampling_fields_reach_the_params() -> None:
     with pytest.raises(APIError) as e:
         sampling_for(comp(logit_bias={"256": 1}), 10, 100, None, (0,), False, 256)
     assert e.value.param == "logit_bias"
+
+
+def test_message_keys_we_do_not_serve_are_refused_unless_empty() -> None:
+    from pydantic import ValidationError
+
+    from router.protocol import ChatCompletionRequest
+
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    echoed = {"role": "assistant", "content": "hello", "refusal": None, "audio": None, "annotations": []}
+    req = ChatCompletionRequest.model_validate({**base, "messages": [*base["messages"], echoed]})
+    assert [m.to_template() for m in req.messages][1] == {"role": "assistant", "content": "hello"}
+    for key, value in (("tool_call_id", "call_1"), ("audio", {"id": "a1"}), ("refusal", "no")):
+        with pytest.raises(ValidationError, match=key):
+            ChatCompletionRequest.model_validate({**base, "messages": [{"role": "user", "content": "x", key: value}]})
+    ann = {"role": "user", "content": "x", "name": "ann"}
+    named = ChatCompletionRequest.model_validate({**base, "messages": [ann]})
+    assert named.messages[0].to_template() == {"role": "user", "content": "x", "name": "ann"}
