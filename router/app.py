@@ -61,7 +61,7 @@ from router.fields import account
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_format import DONE, ChatFormatter, CompletionFormatter, Formatter, sse
-from router.prompt import chat_prompt, completion_prompt, sampling_for
+from router.prompt import chat_prompt, completion_prompt, echo_text, sampling_for
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -183,7 +183,8 @@ class Router:
         prompt = completion_prompt(req, self._codec)
         fmt: Formatter = CompletionFormatter(
             model=req.model, codec=self._codec, prompt_tokens=len(prompt),
-            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, include_usage=req.include_usage)
+            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, include_usage=req.include_usage,
+            echo=echo_text(req, prompt, self._codec) if req.echo else "")
         return await self._run(req.stream, prompt, req, fmt)
 
     @app.post("/v1/chat/completions")

@@ -5,14 +5,16 @@ behind it. A field is one of
 
 - **served**: declared on the request model in `router.protocol` and honoured as OpenAI defines it
   (vLLM's definition where OpenAI has none);
-- **refused** (`REFUSED`, on either endpoint): accepted only at its default (absent, ``null`` or a listed value); any
-  other value is a 400 whose message and ``param`` name the field;
+- **refused** (`REFUSED`, on an endpoint whose request model does not serve it): accepted only at
+  its default (absent, ``null`` or a listed value); any other value is a 400 whose message and
+  ``param`` name the field;
 - **ignored** (`IGNORED`): metadata that OpenAI documents as not changing the output;
 - **unknown**: anything else (a vendor's extension we do not know): dropped, with a warning in the
   log, as vLLM does.
 
-Invariants: no name is in two tables, and none of `REFUSED` / `IGNORED` is a field of the request
-models (tests check both, and that every field of the official client's request types is here).
+Invariants: no name is in two tables, none of `IGNORED` is a field of the request models, and a
+`REFUSED` name is a field of at most one of them (``echo``: completions); tests check these, and
+that every field of the official client's request types is here.
 
 Served fields (both endpoints unless marked):
 
@@ -26,6 +28,7 @@ Served fields (both endpoints unless marked):
 | logprobs, top_logprobs (chat, <= 20) | the chosen token's and the k most likely, unmodified distribution |
 | logprobs k (completions, <= 5) | the same; each token's dict holds the k most likely and the chosen one |
 | stream, stream_options.include_usage | (include_obfuscation: wire padding, ignored) |
+| echo (completions) | the prompt's text before the completion's; with logprobs refused (no prompt log-probs) |
 | top_k, min_p, repetition_penalty, min_tokens | vLLM's extensions, as vLLM defines them |
 | ignore_eos, stop_token_ids | vLLM's extensions, as vLLM defines them |
 | skip_special_tokens, include_stop_str_in_output | vLLM's extensions, as vLLM defines them |
@@ -59,7 +62,7 @@ REFUSED: dict[str, Refused] = {
     "n": Refused("only one choice per request is generated", (1,)),
     # OpenAI, completions
     "best_of": Refused("best_of needs n > 1 choices, which are not generated", (1,)),
-    "echo": Refused("echoing the prompt (and its log-probs) is not supported", (False,)),
+    "echo": Refused("echo is served on /v1/completions only", (False,)),
     "suffix": Refused("the model has no insert (suffix) mode", ("",)),
     # OpenAI, chat
     "response_format": Refused("structured outputs (json_object, json_schema) are not supported",

@@ -67,6 +67,7 @@ class Formatter:
     token_tops: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     id: str = ""
+    echo: str = ""  # completions' ``echo``: the prompt's text, sent before the completion's (first chunk)
 
     def __post_init__(self) -> None:  # declared here so the dataclass __init__ calls the subclasses' own
         pass
@@ -98,6 +99,7 @@ class CompletionFormatter(Formatter):
     def __post_init__(self) -> None:
         self.id = self.id or new_id("cmpl")
         self._offset = 0
+        self._echoed = False
 
     def _logprobs(self, ids: Sequence[int], lps: Sequence[float | None], tops: Sequence[TopLogprobs],
                   offset: int) -> CompletionLogprobs | None:
@@ -121,7 +123,9 @@ class CompletionFormatter(Formatter):
         self.add(delta)
         lp = self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs, self._offset)
         self._offset += len(delta.text)
-        choice = CompletionChoice(text=delta.text, logprobs=lp, finish_reason=delta.finish_reason)
+        text = delta.text if self._echoed else self.echo + delta.text
+        self._echoed = True
+        choice = CompletionChoice(text=text, logprobs=lp, finish_reason=delta.finish_reason)
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def usage_chunk(self) -> BaseModel:
@@ -129,7 +133,7 @@ class CompletionFormatter(Formatter):
                                usage=self.usage)
 
     def response(self) -> BaseModel:
-        choice = CompletionChoice(text="".join(self.text), finish_reason=self.finish_reason,
+        choice = CompletionChoice(text=self.echo + "".join(self.text), finish_reason=self.finish_reason,
                                   logprobs=self._logprobs(self.token_ids, self.token_logprobs, self.token_tops, 0))
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
                                   usage=self.usage)

@@ -37,6 +37,15 @@ def completion_prompt(req: CompletionRequest, codec: TextCodec) -> tuple[int, ..
     return tuple(ids)
 
 
+def echo_text(req: CompletionRequest, prompt: tuple[int, ...], codec: TextCodec) -> str:
+    """What ``echo`` sends back: the prompt text as the client gave it, token ids decoded."""
+    if isinstance(req.prompt, str):
+        return req.prompt
+    if isinstance(req.prompt[0], str):
+        return str(req.prompt[0])
+    return codec.decode(list(prompt))
+
+
 def chat_prompt(req: ChatCompletionRequest, codec: TextCodec) -> tuple[int, ...]:
     try:
         ids = codec.encode_chat([m.to_template() for m in req.messages])

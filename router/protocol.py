@@ -126,6 +126,13 @@ class CompletionRequest(GenerationRequest):
 
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False  # the prompt's text before the completion's (without prompt log-probs: refused with logprobs)
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs the prompt's log-probs, which are not computed")
+        return self
 
     @field_validator("prompt")
     @classmethod

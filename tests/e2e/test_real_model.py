@@ -128,6 +128,20 @@ def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(cluster: st
     assert colo.usage.prompt_tokens_details.cached_tokens == 0
 
 
+@pytest.mark.parametrize("app", ["pd", "colo"])
+def test_echo_returns_the_prompt_then_the_same_completion(cluster: str, app: str) -> None:
+    c = client(cluster, app)
+    prompt = "The capital of France is"
+    plain = c.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    echoed = c.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    parts = [ch.choices[0].text for ch in c.completions.create(
+        model=DEFAULT_MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True, stream=True) if ch.choices]
+    assert parts[0].startswith(prompt) and "".join(parts) == echoed.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        c.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=8, echo=True, logprobs=1)
+
+
 def test_seeded_sampling_is_reproducible_across_modes(cluster: str) -> None:
     """Per-token seeding: the same seed gives the same text, disaggregated or colocated."""
     kw: dict[str, Any] = dict(model=DEFAULT_MODEL, prompt="Once upon a time", max_tokens=20, temperature=0.9, seed=7)
