@@ -7,7 +7,8 @@ Invariants:
   ``generation_config.json``'s ``eos_token_id`` (each an int or a list of ints): Llama 3 Instruct,
   for one, names ``<|eot_id|>`` only in its generation config.
 - ``sampling`` holds only what ``generation_config.json`` writes (``temperature``, ``top_p``,
-  ``top_k``); a request's own values win over it, as with vLLM's ``--generation-config auto``.
+  ``top_k``, ``min_p``, ``repetition_penalty``: what vLLM's ``--generation-config auto`` takes but
+  ``max_new_tokens``); a request's own values win over it, as with vLLM's ``--generation-config auto``.
 - A value of the wrong type is a `ModelLoadError` naming the file and the field, never ignored.
 """
 
@@ -70,7 +71,9 @@ class GenerationConfig:
         try:
             sampling = SamplingDefaults(temperature=_number(gen, "temperature", float, where),
                                         top_p=_number(gen, "top_p", float, where),
-                                        top_k=_number(gen, "top_k", int, where))
+                                        top_k=_number(gen, "top_k", int, where),
+                                        min_p=_number(gen, "min_p", float, where),
+                                        repetition_penalty=_number(gen, "repetition_penalty", float, where))
         except ValueError as e:
             raise ModelLoadError(f"{where}: {e}") from None
         return cls(eos_token_ids=tuple(dict.fromkeys(eos)), sampling=sampling)

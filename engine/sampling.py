@@ -104,10 +104,14 @@ class SamplingDefaults:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
     def __post_init__(self) -> None:
         SamplingParams(temperature=0.0 if self.temperature is None else self.temperature,  # raises if out of range
-                       top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k is None else self.top_k)
+                       top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k is None else self.top_k,
+                       min_p=0.0 if self.min_p is None else self.min_p,
+                       repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
 
 
 @dataclass

@@ -75,7 +75,7 @@ def sampling_for(
 ) -> SamplingParams:
     """The request's sampling settings; EOS joins the stop ids unless ``ignore_eos`` (vLLM: the
     requested ``stop_token_ids`` stop the sequence either way); ``defaults`` (the model's generation
-    config) fill temperature / top_p / top_k the request left unset."""
+    config) fill temperature / top_p / top_k / min_p / repetition_penalty the request left unset."""
     room = max_model_len - prompt_len
     if room < 1:
         raise context_too_long(
@@ -102,10 +102,10 @@ def sampling_for(
             top_p=_setting(req, "top_p", defaults),
             top_k=_setting(req, "top_k", defaults),
             seed=req.seed,
-            min_p=req.min_p,
+            min_p=_setting(req, "min_p", defaults),
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
+            repetition_penalty=_setting(req, "repetition_penalty", defaults),
             logit_bias=tuple(sorted((req.logit_bias or {}).items())),
             min_tokens=req.min_tokens,
             stop_token_ids=stop_ids,

@@ -40,12 +40,14 @@ def test_eos_is_the_union_of_both_files(tmp_path: Path, config_eos: object, gen_
 
 
 def test_sampling_defaults_are_what_the_file_writes(tmp_path: Path) -> None:
-    written = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": [1, 2]}
+    written = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
+               "repetition_penalty": 1.1, "eos_token_id": [1, 2]}
     folder = write(tmp_path, {}, written)
     hf = transformers.GenerationConfig.from_pretrained(folder)
     gen = GenerationConfig.from_dir(folder)
-    assert gen.sampling == SamplingDefaults(temperature=hf.temperature, top_p=hf.top_p, top_k=hf.top_k)
-    assert gen.sampling == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20)
+    assert gen.sampling == SamplingDefaults(temperature=hf.temperature, top_p=hf.top_p, top_k=hf.top_k, min_p=hf.min_p,
+                                            repetition_penalty=hf.repetition_penalty)
+    assert gen.sampling == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.05, repetition_penalty=1.1)
     assert GenerationConfig.from_dir(write(tmp_path / "none", {}, None)) == GenerationConfig()
     assert GenerationConfig.from_dir(write(tmp_path / "eos", {}, {"eos_token_id": 2})).sampling == SamplingDefaults()
 
@@ -57,6 +59,8 @@ def test_sampling_defaults_are_what_the_file_writes(tmp_path: Path) -> None:
     ({"top_k": 2.5}, "top_k"),
     ({"top_p": 0.0}, "top_p"),
     ({"temperature": -1}, "temperature"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
 ])
 def test_a_bad_value_is_refused_by_name(tmp_path: Path, generation: dict[str, object], field: str) -> None:
     with pytest.raises(ModelLoadError, match=f"generation_config.json.*{field}"):

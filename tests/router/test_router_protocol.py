@@ -101,6 +101,11 @@ def test_model_sampling_defaults_fill_only_what_the_request_left_unset() -> None
     assert s.greedy and s.top_p == 0.5 and s.top_k == 0
     s = sampling_for(comp(), 10, 100, None, (0,), False, 256, defaults=SamplingDefaults())
     assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)  # the model says nothing: the API's defaults
+    penalized = SamplingDefaults(min_p=0.05, repetition_penalty=1.1)
+    s = sampling_for(comp(), 10, 100, None, (0,), False, 256, defaults=penalized)
+    assert (s.min_p, s.repetition_penalty) == (0.05, 1.1)
+    s = sampling_for(comp(min_p=0.0, repetition_penalty=1.0), 10, 100, None, (0,), False, 256, defaults=penalized)
+    assert (s.min_p, s.repetition_penalty) == (0.0, 1.0)  # sent: the request's
 
 
 def test_stop_token_ids_join_eos_unless_ignored() -> None:
