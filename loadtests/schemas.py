@@ -336,3 +336,21 @@ SERVING_SCHEMA: dict[str, Any] = _doc("serving", {
     "properties": {"servers": {"type": "object", "additionalProperties": _SERVER},
                    "targets": {"type": "array", "items": _TARGET}},
 })
+
+
+# ---- sampler (loadtests/bench_sampler.py) ----
+
+SAMPLER_SCHEMA: dict[str, Any] = _doc("sampler", {
+    "type": "object",
+    "required": ["decode_step_ms", "cases", "targets"],
+    "properties": {
+        "decode_step_ms": _num(),
+        "cases": {"type": "object", "additionalProperties": {
+            "type": "object", "required": ["ms", "of_step"],
+            "properties": {"ms": _num(), "of_step": _num()}, "additionalProperties": False}},
+        "targets": {"type": "array", "items": {
+            "type": "object", "required": ["name", "value", "threshold", "met"],
+            "properties": {"name": {"type": "string"}, "value": _num(), "threshold": _num(),
+                           "met": {"type": "boolean"}}}},
+    },
+})
