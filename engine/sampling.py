@@ -239,18 +239,26 @@ def truncate(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     return x
 
 
-TOP_P_HEAD = 256  # top-p looks for the nucleus among this many tokens first (a full sort costs far more)
+TOP_P_HEADS = (256, 2048, 16384)  # top-p looks for the nucleus among this many tokens first, in turn
+# (a full sort of a 50k-token row costs several times a top-k of a few thousand)
 
 
 def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """x: [B, V], top_p: [B, 1] → the smallest head of each row whose mass reaches its top_p; rows
     at 1.0 untouched. A token is dropped when the mass strictly before it already reaches top_p."""
     every = top_p >= 1.0  # [B, 1]
-    k = min(x.shape[1], TOP_P_HEAD)
-    vals, order = torch.topk(x, k, dim=-1)  # [B, k], descending
-    probs = (vals - x.logsumexp(-1, keepdim=True)).exp()  # each head token's share of the whole row
-    cum = probs.cumsum(-1)
-    if not bool(((cum[:, -1:] >= top_p) | every).all()):  # a nucleus reaches past the head: sort it all
+    lse = x.logsumexp(-1, keepdim=True)  # [B, 1]
+    for k in TOP_P_HEADS:
+        if k >= x.shape[1]:
+            break
+        vals, order = torch.topk(x, k, dim=-1)  # [B, k], descending
+        probs = (vals - lse).exp()  # each head token's share of the whole row
+        cum = probs.cumsum(-1)
+        if bool(((cum[:, -1:] >= top_p) | every).all()):
+            break
+    else:
+        k = x.shape[1]
+    if k >= x.shape[1]:  # a nucleus reaches past every head: sort it all
         vals, order = torch.sort(x, dim=-1, descending=True)
         probs = vals.softmax(-1)
         cum = probs.cumsum(-1)
@@ -260,18 +268,26 @@ def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
-    """probs: [B, V] → one token per row [B]: a seeded row from its own generator (one row at a time,
-    which no batched draw can replace), the other rows in one batched draw from torch's."""
+    """probs: [B, V] → one token per row [B], drawn among each row's candidates (its tokens of
+    non-zero probability) only: a draw costs per candidate, and top-k / top-p / min-p leave few of a
+    vocabulary. A seeded row draws from its own generator over its candidates in token-id order (one
+    row at a time, so its draw depends on nothing else in the batch); the other rows in one batched
+    draw over the batch's widest candidate set."""
     gens = [st.generator(probs.device) for st in states]
     free = [i for i, g in enumerate(gens) if g is None]
-    if len(free) == len(states):
-        return torch.multinomial(probs, 1).squeeze(1)
     out = torch.empty(len(states), dtype=torch.long, device=probs.device)
     if free:
-        out[free] = torch.multinomial(probs[free], 1).squeeze(1)
+        rows = probs if len(free) == len(states) else probs[free]  # [b, V]
+        n = int((rows > 0).sum(-1).max())
+        if n < rows.shape[1]:
+            vals, idx = torch.topk(rows, n, dim=-1)  # [b, n]: every candidate of every row
+            out[free] = idx.gather(1, torch.multinomial(vals, 1)).squeeze(1)
+        else:
+            out[free] = torch.multinomial(rows, 1).squeeze(1)
     for i, g in enumerate(gens):
         if g is not None:
-            out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+            cand = probs[i].nonzero().squeeze(1)  # [n] ascending token ids
+            out[i] = cand[torch.multinomial(probs[i, cand], 1, generator=g)[0]]
     return out
 
 
