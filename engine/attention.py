@@ -44,6 +44,13 @@ def gather_kv(
     return k_cache.view(nb * bs, kvh, d)[slots], v_cache.view(nb * bs, kvh, d)[slots]
 
 
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query sees (broadcast of ``q_pos`` against ``k_pos``): the causal rule, and
+    with a ``window`` only the last ``window`` positions, the query's own included (transformers')."""
+    seen = k_pos <= q_pos
+    return seen if window is None else seen & (k_pos > q_pos - window)
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -97,10 +104,7 @@ def prefill_attention(
         v = vc.transpose(0, 1).unsqueeze(0)
         q_pos = torch.arange(start_pos, total, device=q.device).unsqueeze(1)  # [S, 1]
         k_pos = torch.arange(total, device=q.device).unsqueeze(0)  # [1, L]
-        mask = k_pos <= q_pos  # [S, L]
-        if windowed:
-            assert window is not None
-            mask &= k_pos > q_pos - window
+        mask = visible_keys(q_pos, k_pos, window if windowed else None)  # [S, L]
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)  # [S, H, D]
 
@@ -138,9 +142,7 @@ def explicit_prefill_attention(
             soft_cap(scores, softcap)
         q_pos = torch.arange(start_pos + lo, start_pos + hi, device=q.device).unsqueeze(1)  # [R, 1]
         k_pos = torch.arange(first, start_pos + hi, device=q.device).unsqueeze(0)  # [1, L]
-        hidden = k_pos > q_pos
-        if window is not None:
-            hidden |= k_pos <= q_pos - window
+        hidden = ~visible_keys(q_pos, k_pos, window)  # [R, L]
         scores = scores.view(kvh, g, hi - lo, -1).masked_fill_(hidden, float("-inf"))
         p = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(kvh, g * (hi - lo), -1)
         o = torch.bmm(p, vb.transpose(0, 1))  # [KV, G*R, D]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.attention import PagedDecodeMeta
+from engine.attention import PagedDecodeMeta, visible_keys
 from engine.native_rope import RopeStore
 from engine.quant import Linear
 from engine.weights import LayerWeights
@@ -69,6 +69,6 @@ def windowed_meta(meta: PagedDecodeMeta, window: int) -> PagedDecodeMeta:
     window, so the caller must not pick a method that reads lengths alone)."""
     pos = meta.visible() - 1  # [B]
     cols = torch.arange(meta.bias.shape[-1], device=meta.bias.device)  # [L]
-    hidden = (cols.unsqueeze(0) <= (pos - window).unsqueeze(1)).unsqueeze(1)  # [B, 1, L]
+    hidden = ~visible_keys(pos.unsqueeze(1), cols.unsqueeze(0), window).unsqueeze(1)  # [B, 1, L] (later ones too)
     return PagedDecodeMeta(block_ids=meta.block_ids, bias=meta.bias.masked_fill(hidden, float("-inf")),
                            batch=meta.batch, n_blocks=meta.n_blocks, lengths=pos + 1)

@@ -41,6 +41,7 @@ from engine.attention import (
     paged_decode_attention,
     prefill_attention,
     soft_cap,
+    visible_keys,
     write_kv,
 )
 from engine.attention_choice import AttentionChoice, choose_decode_attention
@@ -415,14 +416,13 @@ class LlamaModel:
         max_len = int(batch.positions.max()) + 1
         cols = torch.arange(max_len, device=self.device)  # [L]
         slot_table = batch.block_table[:, cols // bs] * bs + cols % bs  # [B, L]
-        valid = cols.unsqueeze(0) <= batch.positions.unsqueeze(1)  # [B, L]
         h = self._embed(batch.token_ids)  # [B, hidden]
         b = h.shape[0]
         rot = self._rotation(batch.positions, batch.slots, cache)
         for li, lk in enumerate(self.layers):
             q, _, _ = self._qkv(lk, h, batch.positions, rot, cache.k[li], cache.v[li], batch.slots)
             w = self.windows[li]
-            seen = valid if w is None else valid & (cols.unsqueeze(0) > (batch.positions - w).unsqueeze(1))
+            seen = visible_keys(batch.positions.unsqueeze(1), cols.unsqueeze(0), w)  # [B, L]
             attn = decode_attention(q, cache.k[li], cache.v[li], slot_table, seen, self.scale, self.attn_softcap)
             h = self._attention_out(lk, attn.reshape(b, cfg.q_size), h)
             h = self._mlp(lk, h)
