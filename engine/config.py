@@ -11,7 +11,6 @@ architectures are refused by name, never guessed.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -23,8 +22,7 @@ from engine.attention_choice import DECODE_ATTENTION
 from engine.errors import ModelLoadError
 from engine.families import ACTIVATION_NAMES, FAMILIES, MODEL_TYPES, SUPPORTED_ARCHITECTURES, Family
 from engine.kernel_choice import LINEAR_KERNELS
-
-_LAYER_TYPES = ("full_attention", "sliding_attention")
+from engine.rope_params import LAYER_TYPES, RopeParams, RopeScaling, ropes
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -61,62 +59,6 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return _DTYPES[name.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)} or 'auto'") from None
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE scaling as transformers computes it (`engine.rope`): ``llama3`` (frequency-dependent),
-    ``linear`` (positions divided by ``factor``) or ``yarn`` (an interpolation / extrapolation ramp
-    between ``beta_fast`` and ``beta_slow`` rotations, cos and sin times ``attention_factor``)."""
-
-    rope_type: str
-    factor: float
-    original_max_position_embeddings: int = 0  # llama3, yarn
-    low_freq_factor: float = 0.0  # llama3
-    high_freq_factor: float = 0.0  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    attention_factor: float = 1.0  # yarn: multiplies cos and sin
-    truncate: bool = True  # yarn: the correction range rounded outwards to whole dimensions
-
-
-ROPE_TYPES = ("default", "llama3", "linear", "yarn")
-
-
-@dataclass(frozen=True)
-class RopeParams:
-    """One set of RoPE tables' parameters: the base and the scaling (None: plain RoPE)."""
-
-    theta: float
-    scaling: RopeScaling | None = None
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _rope_scaling(rs: dict[str, Any], max_positions: int, source: str) -> RopeScaling | None:
-    """The scaling a config's ``rope_scaling`` / ``rope_parameters`` asks for (None: plain RoPE)."""
-    rope_type = rs.get("rope_type", rs.get("type")) or "default"
-    if rope_type not in ROPE_TYPES:
-        raise ModelLoadError(f"{source}: unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
-    if rope_type == "default":
-        return None
-    if rope_type == "linear":
-        return RopeScaling("linear", float(rs["factor"]))
-    if rope_type == "llama3":
-        return RopeScaling("llama3", float(rs["factor"]), int(rs["original_max_position_embeddings"]),
-                           low_freq_factor=float(rs["low_freq_factor"]), high_freq_factor=float(rs["high_freq_factor"]))
-    original = int(rs["original_max_position_embeddings"])
-    factor = float(rs["factor"]) if rs.get("factor") is not None else max_positions / original
-    attention = rs.get("attention_factor")
-    if attention is None:
-        mscale, all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
-        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim) if mscale and all_dim
-                     else _yarn_mscale(factor))
-    return RopeScaling("yarn", factor, original, beta_fast=float(rs.get("beta_fast") or 32),
-                       beta_slow=float(rs.get("beta_slow") or 1), attention_factor=float(attention),
-                       truncate=bool(rs.get("truncate", True)))
 
 
 @dataclass(frozen=True)
@@ -237,7 +179,7 @@ class ModelConfig:
             max_positions = int(cfg.get("max_position_embeddings", 2048))
             _refuse_unsupported(cfg, family, source)
             window, window_layers = _windows(cfg, family, num_layers, source)
-            full_rope, sliding_rope = _ropes(cfg, family, max_positions, source)
+            full_rope, sliding_rope = ropes(cfg, family, max_positions, source)
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             gemma = family.gemma_attention
@@ -310,32 +252,6 @@ def _refuse_unsupported(cfg: dict[str, Any], family: Family, source: str) -> Non
             raise ModelLoadError(f"{source}: {name}={value!r} must be positive")
 
 
-def _ropes(cfg: dict[str, Any], family: Family, max_positions: int, source: str) -> tuple[RopeParams, RopeParams]:
-    """The RoPE of the full-attention layers and of the sliding-window ones, as transformers reads
-    them: one set for every layer, except that Gemma 3's sliding layers take ``rope_local_base_freq``
-    unscaled, or their own entry where ``rope_parameters`` is keyed by layer type."""
-    rp = cfg.get("rope_parameters")
-    keyed = isinstance(rp, dict) and bool(rp) and set(rp) <= set(_LAYER_TYPES)
-    if keyed and not family.rope_per_layer_type:
-        raise ModelLoadError(f"{source}: rope_parameters keyed by layer type is not supported for {family.name}")
-    theta = cfg.get("rope_theta", 10000.0)
-
-    def _rope(params: dict[str, Any], theta: Any) -> RopeParams:
-        if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
-            raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported (RoPE over whole heads)")
-        return RopeParams(float(params.get("rope_theta", theta)), _rope_scaling(params, max_positions, source))
-
-    if keyed:
-        assert isinstance(rp, dict)
-        full = _rope(rp.get("full_attention") or {}, theta)
-        return full, _rope(rp.get("sliding_attention") or {}, cfg.get("rope_local_base_freq"))
-    # transformers < 5 writes `rope_scaling` + `rope_theta`; 5.x writes `rope_parameters`.
-    full = _rope(cfg.get("rope_scaling") or rp or {}, theta)
-    if not family.rope_per_layer_type:
-        return full, full
-    return full, RopeParams(float(cfg["rope_local_base_freq"]))
-
-
 def _windows(cfg: dict[str, Any], family: Family, num_layers: int, source: str) -> tuple[int | None, tuple[int, ...]]:
     """The sliding window and the layers that use it, as transformers reads them: ``layer_types``
     where the config has it; else by the family's rule (`engine.families.WindowRule`): Mistral and
@@ -352,8 +268,8 @@ def _windows(cfg: dict[str, Any], family: Family, num_layers: int, source: str) 
         pattern = int(cfg.get(family.window_pattern_field or "", family.window_pattern) or family.window_pattern)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if types is not None:
-        if len(types) != num_layers or any(t not in _LAYER_TYPES for t in types):
-            raise ModelLoadError(f"{source}: layer_types must list one of {_LAYER_TYPES} per layer "
+        if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+            raise ModelLoadError(f"{source}: layer_types must list one of {LAYER_TYPES} per layer "
                                  f"({num_layers}), got {types!r}")
         layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
         if layers and window is None:

@@ -12,8 +12,9 @@ import math
 
 import torch
 
-from engine.config import ModelConfig, RopeParams, RopeScaling
+from engine.config import ModelConfig
 from engine.native_rope import RopeStore
+from engine.rope_params import RopeParams, RopeScaling
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
