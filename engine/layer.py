@@ -8,11 +8,13 @@ norms op for op.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from engine.attention import PagedDecodeMeta, visible_keys
+from engine.kernel_choice import KernelChoice, build_linears
 from engine.native_rope import RopeStore
 from engine.quant import Linear
 from engine.weights import LayerWeights
@@ -51,6 +53,41 @@ class LayerKernels:
     attn_out_norm: torch.Tensor | None = None  # [hidden]: on o_proj's output before the residual add (Gemma)
     mlp_out_norm: torch.Tensor | None = None  # [hidden]: on down's output before the residual add (Gemma)
     rope: int = 0  # index of the layer's RoPE tables in `LlamaModel.ropes`
+
+
+def fold(w: torch.Tensor, norm: torch.Tensor | None, fast: bool) -> torch.Tensor:
+    """W @ (g * x) == (W * g) @ x: the fast path folds the RMSNorm gain g into the next weight."""
+    if fast and norm is not None:
+        return (w.float() * norm.float()).to(w.dtype)
+    return w
+
+
+def build_layer_kernels(lws: Sequence[LayerWeights], ropes: Sequence[int], *, fast: bool, quantization: str | None,
+                        mode: str) -> tuple[list[LayerKernels], list[KernelChoice]]:
+    """Every layer's kernels (``ropes[i]``: layer i's RoPE table) and the choices behind them.
+
+    One class of linears at a time (so `engine.kernel_choice` can time a class as a step streams
+    it); the loaded tensors are not kept where a packed or int8 kernel replaces them."""
+    none: list[torch.Tensor | None] = [None] * len(lws)
+    classes: dict[str, Callable[[], tuple[list[torch.Tensor], list[torch.Tensor | None]]]] = {
+        "qkv": lambda: ([fold(lw.qkv, lw.input_norm, fast) for lw in lws], [lw.qkv_bias for lw in lws]),  # Qwen2
+        "o_proj": lambda: ([lw.o_proj for lw in lws], none),
+        "gate_up": lambda: ([fold(lw.gate_up, lw.post_norm, fast) for lw in lws], none),
+        "down": lambda: ([lw.down for lw in lws], none),
+    }
+    choices: list[KernelChoice] = []
+    built: dict[str, list[Linear]] = {}
+    for name, make in classes.items():  # folded copies of one class at a time
+        built[name], choice = build_linears(name, *make(), fast=fast, quantization=quantization, mode=mode)
+        if choice is not None:
+            choices.append(choice)
+    layers = [
+        LayerKernels(input_norm=lw.input_norm, qkv=built["qkv"][i], o_proj=built["o_proj"][i], post_norm=lw.post_norm,
+                     gate_up=built["gate_up"][i], down=built["down"][i], q_norm=lw.q_norm, k_norm=lw.k_norm,
+                     attn_out_norm=lw.attn_out_norm, mlp_out_norm=lw.mlp_out_norm, rope=ropes[i])
+        for i, lw in enumerate(lws)
+    ]
+    return layers, choices
 
 
 def offset_gains(lw: LayerWeights) -> LayerWeights:

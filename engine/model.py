@@ -28,9 +28,6 @@ reads it; logits come back in fp32; the model holds no per-request state (decode
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
@@ -45,10 +42,11 @@ from engine.attention import (
     write_kv,
 )
 from engine.attention_choice import AttentionChoice, choose_decode_attention
+from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import EngineConfig, ModelConfig
-from engine.kernel_choice import KernelChoice, build_linears
+from engine.kernel_choice import build_linears
 from engine.kv_cache import KVCache
-from engine.layer import LayerKernels, Rotation, offset_gains, rms_norm, windowed_meta
+from engine.layer import LayerKernels, Rotation, build_layer_kernels, fold, offset_gains, rms_norm, windowed_meta
 from engine.native_attention import native_error
 from engine.native_linear import NativeLinear
 from engine.native_rope import MAX_HEAD_DIM, RopeStore, native_rope_error
@@ -56,33 +54,6 @@ from engine.native_step import NativeDecodeStep, native_step_error
 from engine.quant import Linear
 from engine.rope import RopeTables, RotaryEmbedding
 from engine.weights import ModelWeights
-
-
-@dataclass
-class PrefillBatch:
-    """Flattened inputs of several prefill chunks (built by `engine.runner`)."""
-
-    token_ids: torch.Tensor  # [T] all chunks' tokens, concatenated
-    positions: torch.Tensor  # [T]
-    slots: torch.Tensor  # [T] cache slot of each token
-    seq_lens: list[int]  # tokens of each chunk; sums to T
-    start_positions: list[int]  # cached tokens before each chunk
-    context_blocks: list[torch.Tensor | None]  # per chunk: [ceil((start + len) / bs)] block ids, None if start == 0
-    logits_index: torch.Tensor  # [N] rows of T whose logits are wanted
-
-
-@dataclass
-class DecodeBatch:
-    """One decode step (built by `engine.runner`): every tensor here is shared by all layers."""
-
-    token_ids: torch.Tensor  # [B]
-    positions: torch.Tensor  # [B]
-    slots: torch.Tensor  # [B] slot of the new token
-    block_table: torch.Tensor  # [B, n_blocks] padded with a valid block id (masked out)
-    bias: torch.Tensor  # [B, 1, n_blocks * block_size] fp32: 0 where a position is visible, -inf after
-    # Consecutive row ranges of similar context length, each padded only to its own longest: one
-    # long sequence no longer makes every short one attend over its length. Empty: one group.
-    groups: list[PagedDecodeMeta] = field(default_factory=list)
 
 
 class LlamaModel:
@@ -136,51 +107,14 @@ class LlamaModel:
             if self.fast else None
         )
 
-        def fold(w: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
-            if self.fast and norm is not None:
-                # W @ (g * x) == (W * g) @ x: the fast path folds the RMSNorm gain g into the weight.
-                return (w.float() * norm.float()).to(w.dtype)
-            return w
-
-        # One class of linears at a time (so `engine.kernel_choice` can time a class as a step
-        # streams it); the loaded tensors are not kept where a packed or int8 kernel replaces them.
         lws = weights.layers
         if self.norm_offset:  # every gain as it multiplies (1 + w, in fp32), before any is folded
             self.norm = 1.0 + self.norm.float()
             lws = [offset_gains(lw) for lw in lws]
-        none: list[torch.Tensor | None] = [None] * len(lws)
-        classes: dict[str, Callable[[], tuple[list[torch.Tensor], list[torch.Tensor | None]]]] = {
-            "qkv": lambda: ([fold(lw.qkv, lw.input_norm) for lw in lws], [lw.qkv_bias for lw in lws]),  # bias: Qwen2
-            "o_proj": lambda: ([lw.o_proj for lw in lws], none),
-            "gate_up": lambda: ([fold(lw.gate_up, lw.post_norm) for lw in lws], none),
-            "down": lambda: ([lw.down for lw in lws], none),
-        }
-        self.kernel_choices: list[KernelChoice] = []
-        built: dict[str, list[Linear]] = {}
-        for name, make in classes.items():  # folded copies of one class at a time
-            built[name], choice = build_linears(
-                name, *make(), fast=self.fast, quantization=quantization, mode=linear_kernels
-            )
-            if choice is not None:
-                self.kernel_choices.append(choice)
-        self.layers = [
-            LayerKernels(
-                input_norm=lw.input_norm,
-                qkv=built["qkv"][i],
-                o_proj=built["o_proj"][i],
-                post_norm=lw.post_norm,
-                gate_up=built["gate_up"][i],
-                down=built["down"][i],
-                q_norm=lw.q_norm,
-                k_norm=lw.k_norm,
-                attn_out_norm=lw.attn_out_norm,
-                mlp_out_norm=lw.mlp_out_norm,
-                rope=distinct.index(params[i]),
-            )
-            for i, lw in enumerate(lws)
-        ]
+        self.layers, self.kernel_choices = build_layer_kernels(
+            lws, [distinct.index(p) for p in params], fast=self.fast, quantization=quantization, mode=linear_kernels)
         head, choice = build_linears(
-            "lm_head", [fold(weights.lm_head, self.norm)], [None], fast=self.fast,
+            "lm_head", [fold(weights.lm_head, self.norm, self.fast)], [None], fast=self.fast,
             quantization=quantization if quantize_lm_head else None, mode=linear_kernels,
         )
         self.lm_head = head[0]

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import PagedDecodeMeta
+from engine.batch import DecodeBatch, PrefillBatch
 from engine.kv_cache import KVCache
-from engine.model import DecodeBatch, LlamaModel, PrefillBatch
+from engine.model import LlamaModel
 
 
 @dataclass(frozen=True)
