@@ -19,7 +19,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cluster.config import ClusterConfig, ConfigError, Environment, application_entry
+from cluster.config import ClusterConfig, Environment
+from cluster.serve_yaml import ConfigError, application_entry
 from engine.bundled import DEFAULT_MODEL
 
 

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.placement import (
@@ -37,6 +36,7 @@ from cluster.placement import (
     demand,
     max_replicas,
 )
+from cluster.serve_yaml import ConfigError, application_args
 from decode_worker.config import DecodeWorkerConfig
 from engine.bundled import DEFAULT_MODEL
 from engine.config import AUTO_DTYPE, EngineConfig, fast_dtype, parse_dtype
@@ -45,12 +45,6 @@ from kv_transfer.config import KVTransferConfig, Transport
 from prefill_worker.config import PrefillWorkerConfig
 from router.config import RouterConfig
 from router.policy import AffinityParams, known_policy
-
-IMPORT_PATH = "cluster.app:build_app"
-
-
-class ConfigError(ValueError):
-    """A cluster config that cannot be used; the message says where and why."""
 
 
 @dataclass(frozen=True)
@@ -399,29 +393,3 @@ def _allowed(loc: tuple[int | str, ...]) -> str:
             return ""
         model = field.annotation
     return f" (allowed: {', '.join(model.model_fields)})"
-
-
-def application_args(path: str | Path) -> dict[str, Any]:
-    """The ``args:`` of the pdserve application in a Serve YAML (the one importing `IMPORT_PATH`)."""
-    app = application_entry(path)
-    args = app.get("args") or {}
-    if not isinstance(args, dict):
-        raise ConfigError(f"{path}: the application's args must be a mapping")
-    return args
-
-
-def application_entry(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    try:
-        doc = yaml.safe_load(p.read_text())
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    apps = doc.get("applications") if isinstance(doc, dict) else None
-    if not isinstance(apps, list) or not apps:
-        raise ConfigError(f"{p}: expected a Serve config with an 'applications:' list")
-    ours = [a for a in apps if isinstance(a, dict) and a.get("import_path") == IMPORT_PATH]
-    if len(ours) != 1:
-        raise ConfigError(f"{p}: expected exactly one application with import_path: {IMPORT_PATH}")
-    return ours[0]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cluster.cli import main
-from cluster.config import ClusterConfig, ConfigError, Environment, application_args
+from cluster.config import ClusterConfig, ConfigError, Environment
+from cluster.serve_yaml import application_args
 from engine.config import EngineConfig, fast_dtype
 
 pytestmark = pytest.mark.timeout(60)

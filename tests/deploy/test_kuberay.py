@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.config import IMPORT_PATH, ClusterConfig, Environment
+from cluster.config import ClusterConfig, Environment
 from cluster.placement import NodeGroup, max_replicas, pack
+from cluster.serve_yaml import IMPORT_PATH
 
 pytestmark = pytest.mark.timeout(60)
 
