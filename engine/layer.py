@@ -1,5 +1,6 @@
 """One decoder layer's pieces that the forwards (`engine.model`) share: its weights in their
-kernels' formats (`LayerKernels`), RMSNorm in both families' orders, a forward's RoPE per table
+kernels' formats (`LayerKernels`, built one class of linears at a time by `build_layer_kernels`, norm
+gains folded into the next weight on the fast path), RMSNorm in both families' orders, a forward's RoPE per table
 (`Rotation`) and a windowed layer's decode metadata (`windowed_meta`).
 
 Invariants: nothing here keeps per-request state; `rms_norm` matches transformers' Llama and Gemma
