@@ -1,0 +1,151 @@
+"""The sampler's last stages: temperature, min-p, top-k and top-p as one cut per row, and the draw.
+
+Owns `truncate` (a row's min-p, top-k and top-p at its temperature → the logit value ``cut``: the
+row keeps every token whose logit is at least it), `draw` (a token among those kept, drawn by
+inverse CDF in token-id order from one uniform number) and `argmax` (the greedy rows).
+
+Why one cut per row: min-p, top-k (ties with the k-th kept, as transformers keeps them) and top-p
+each keep a head of the row sorted by value, so together they keep a head too, and "every token at
+or above ``cut``" names that set without an order among equal logits. Ties are common (bf16 logits
+take a few thousand distinct values over a vocabulary of tens of thousands), and an order among
+them would depend on how a sort or top-k happened to break them. top-p keeps every token tied with
+the one its mass ends on; without ties its set is transformers' (the smallest head whose mass
+reaches ``top_p``: a token is dropped when the mass strictly before it already reaches it). The
+temperature is folded into the arithmetic (``exp((x - max) / T)``); no divided copy of a row is made.
+
+Why the host (numpy): the cut needs the row's largest values in order, and the draw the kept tokens'
+ids. numpy's partition and sort are vectorized (SIMD); torch's CPU top-k, sort and argmax run one
+element at a time. A row's cut comes from its `HEAD` largest values (a partition, then a sort of
+only those); a row whose nucleus reaches deeper sorts its whole row. Logits on an accelerator are
+copied to the host for these stages (the hot rows only).
+
+Invariants: a row's cut and draw depend only on that row's logits, its params and its uniform
+number ``u`` in [0, 1), never on the other rows; ``draw`` picks kept token ``j`` with probability
+``w_j / sum(w)``, ``w = exp((x - max) / T)`` over the kept tokens in token-id order, as the first
+token whose running sum of ``w`` exceeds ``u * sum(w)``. So a seeded row (``u`` from its own
+generator, seeded from ``(seed, t)``) draws the same token in any batch and any process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from engine.sampling import SamplingParams
+
+HEAD = 2048  # the largest values a row's cut is looked for among before its whole row is sorted
+
+
+def host(x: torch.Tensor) -> np.ndarray:
+    """x: [B, V] fp32 → the same numbers as a numpy array (a view when x is on the CPU)."""
+    return x.detach().cpu().numpy()
+
+
+def argmax(x: torch.Tensor) -> np.ndarray:
+    """x: [B, V] → [B] int64, each row's first largest logit (numpy's argmax is vectorized)."""
+    if x.device.type == "cpu":
+        return host(x).argmax(-1)
+    return x.argmax(-1).cpu().numpy()
+
+
+def truncate(a: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
+    """a: [b, V] fp32 logits of sampled rows (temperature > 0) → [b] cuts, fp32 values held as
+    float64: row ``i`` keeps the tokens ``j`` with ``a[i, j] >= cut[i]`` (``-inf``: every token)."""
+    b, V = a.shape
+    top = a.max(-1).astype(np.float64)  # [b]
+    temp = np.array([p.temperature for p in params], dtype=np.float64)
+    cut = np.full(b, -np.inf)
+    min_p = np.array([p.min_p for p in params])
+    on = min_p > 0  # p_j >= min_p * p_max  <=>  x_j >= x_max + T * log(min_p)
+    cut[on] = _ceil32(top[on] + temp[on] * np.log(min_p[on]))
+    ks = np.array([p.top_k if 0 < p.top_k < V else 0 for p in params])
+    top_p = np.array([p.top_p for p in params], dtype=np.float64)
+    rows = np.flatnonzero((ks > 0) | (top_p < 1.0))
+    if rows.size == 0:
+        return cut
+    x = a if rows.size == b else a[rows]  # [n, V]
+    heads = _sorted_head(x, max(HEAD, int(ks.max())))  # [n, H] descending
+    k = ks[rows]
+    on = k > 0  # ties with the k-th are kept: the cut is the k-th largest value
+    cut[rows[on]] = np.maximum(cut[rows[on]], heads[on, k[on] - 1])
+    on = top_p[rows] < 1.0
+    if on.any():
+        sel = rows[on]
+        args = (top[sel], temp[sel], cut[sel], top_p[sel])
+        cuts, done = _top_p_cut(_rows(heads, on), _rows(x, on), *args)
+        deep = ~done  # the nucleus reaches past the head: sort those rows whole
+        if deep.any():
+            y = _rows(x, on)[deep]
+            cuts[deep] = _top_p_cut(_sorted_head(y, V), y, *(v[deep] for v in args))[0]
+        cut[sel] = cuts
+    return cut
+
+
+def _rows(a: np.ndarray, on: np.ndarray) -> np.ndarray:
+    """a: [n, ...], on: [n] bool → the rows where on (a itself, not a copy, when that is all)."""
+    return a if on.all() else a[on]
+
+
+def _ceil32(v: np.ndarray) -> np.ndarray:
+    """float64 → the smallest fp32 values >= them (as float64): for fp32 logits x, ``x >= v``
+    and ``x >= _ceil32(v)`` agree, so a cut can be compared in fp32."""
+    c = v.astype(np.float32)
+    return np.where(c < v, np.nextafter(c, np.float32(np.inf)), c).astype(np.float64)
+
+
+def _sorted_head(a: np.ndarray, h: int) -> np.ndarray:
+    """a: [n, V] → [n, min(h, V)] float64, each row's largest values in descending order."""
+    V = a.shape[1]
+    part = np.partition(a, V - h, axis=-1)[:, V - h :] if h < V else a
+    return np.sort(part, axis=-1)[:, ::-1].astype(np.float64)
+
+
+def _top_p_cut(heads: np.ndarray, a: np.ndarray, top: np.ndarray, temp: np.ndarray, lo: np.ndarray,
+               top_p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """heads: [n, H] descending largest values of a: [n, V], top / temp / lo (the cut so far) /
+    top_p: [n] → ([n] cuts, [n] bool: the nucleus ended inside the head, so the cut is exact).
+
+    The mass is renormalized over the tokens at or above ``lo`` (what min-p and top-k left)."""
+    n, H = heads.shape
+    w = np.exp((heads - top[:, None]) / temp[:, None])  # [n, H]
+    alive = heads >= lo[:, None]
+    w[~alive] = 0.0
+    mass = np.cumsum(w, axis=-1)  # [n, H]
+    total = mass[:, -1].copy()  # [n]: exact where every survivor is in the head
+    past = (heads[:, -1] >= lo) & (a.shape[1] > H)  # survivors may lie past the head
+    if past.any():
+        total[past] = _mass(_rows(a, past), top[past], temp[past], lo[past])
+    goal = top_p * total  # [n]
+    kept = (alive & (mass - w < goal[:, None])).sum(-1)  # [n] >= 1: mass strictly before < goal
+    cut = np.maximum(lo, heads[np.arange(n), kept - 1])
+    return cut, (mass[:, -1] >= goal) | (a.shape[1] <= H)
+
+
+def _mass(a: np.ndarray, top: np.ndarray, temp: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """a: [n, V], top / temp / lo: [n] → [n] float64, the sum of ``exp((x - top) / T)`` over x >= lo
+    (torch: its elementwise passes over whole rows are vectorized and allocate from its own pool)."""
+    x = torch.from_numpy(a)
+    e = x.sub(torch.from_numpy(top).float()[:, None]).div_(torch.from_numpy(temp).float()[:, None]).exp_()
+    if (lo > -np.inf).any():
+        e.masked_fill_(x < torch.from_numpy(lo).float()[:, None], 0.0)  # lo: fp32 values, exact
+    return e.sum(-1).double().numpy()
+
+
+def draw(a: np.ndarray, cut: np.ndarray, temps: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """a: [b, V] fp32 logits, cut / temps / u: [b] → [b] int64 token ids, each drawn among its
+    row's tokens at or above its cut with probability ``exp((x - max) / T)`` normalized over them,
+    by inverse CDF in token-id order at ``u`` (uniform in [0, 1))."""
+    kept = a >= cut.astype(np.float32)[:, None]  # [b, V]; cuts are fp32 values, so this is exact
+    out = np.empty(len(a), dtype=np.int64)
+    for i, row in enumerate(a):
+        ids = None if cut[i] == -np.inf else np.flatnonzero(kept[i])  # [n] ascending token ids
+        x = row if ids is None else row[ids]
+        w = np.exp((x - x.max()) / np.float32(temps[i]))  # [n] the kept tokens' weights
+        cdf = np.cumsum(w, dtype=np.float64)
+        j = int(np.searchsorted(cdf, u[i] * cdf[-1], side="right"))  # u < 1: j is a kept token
+        out[i] = j if ids is None else ids[j]
+    return out
