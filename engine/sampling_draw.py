@@ -68,7 +68,9 @@ def truncate(a: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
     if rows.size == 0:
         return cut
     x = a if rows.size == b else a[rows]  # [n, V]
-    heads = _sorted_head(x, max(HEAD, int(ks.max())))  # [n, H] descending
+    heads = _survivors(x, cut[rows], int(ks.max()))  # [n, H] descending
+    if heads is None:
+        heads = _sorted_head(x, max(HEAD, int(ks.max())))
     k = ks[rows]
     on = k > 0  # ties with the k-th are kept: the cut is the k-th largest value
     cut[rows[on]] = np.maximum(cut[rows[on]], heads[on, k[on] - 1])
@@ -95,6 +97,23 @@ def _ceil32(v: np.ndarray) -> np.ndarray:
     and ``x >= _ceil32(v)`` agree, so a cut can be compared in fp32."""
     c = v.astype(np.float32)
     return np.where(c < v, np.nextafter(c, np.float32(np.inf)), c).astype(np.float64)
+
+
+def _survivors(a: np.ndarray, lo: np.ndarray, need: int) -> np.ndarray | None:
+    """a: [n, V], lo: [n] min-p's cuts → [n, W] float64, each row's values at or above its cut in
+    descending order, padded with -inf to W (more than any row's count, and at least ``need``);
+    None unless every row has a cut leaving fewer than `HEAD` tokens. min-p usually leaves a few:
+    a comparison finds them for less than a partition costs."""
+    if not np.isfinite(lo).all():
+        return None
+    alive = a >= lo.astype(np.float32)[:, None]  # [n, V]; lo holds fp32 values: exact
+    counts = alive.sum(-1)
+    if counts.max() >= HEAD:
+        return None
+    out = np.full((len(a), max(int(counts.max()) + 1, need)), -np.inf)
+    for i, (row, keep) in enumerate(zip(a, alive, strict=True)):
+        out[i, : counts[i]] = np.sort(row[keep])[::-1]
+    return out
 
 
 def _sorted_head(a: np.ndarray, h: int) -> np.ndarray:

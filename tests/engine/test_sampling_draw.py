@@ -55,11 +55,17 @@ def test_truncation_matches_transformers_row_by_row(name: str, values: list[floa
         assert torch.equal(got[row], ~torch.isinf(ref)), (name, v)
 
 
+COMBOS = [dict(min_p=0.01, top_k=30, top_p=0.9), dict(min_p=0.001, top_p=0.97), dict(top_k=3, top_p=0.999),
+          dict(top_k=40, top_p=0.8), dict(min_p=0.3, top_p=0.5), dict(top_p=0.99), dict(top_k=12)]
+EVERY_ROW_MIN_P = [dict(min_p=0.01, top_k=30, top_p=0.9), dict(min_p=0.001, top_p=0.97), dict(min_p=0.3, top_p=0.5),
+                   dict(min_p=0.02, top_k=45), dict(min_p=0.05, top_k=2, top_p=0.7)]  # cuts from min-p's survivors
+
+
+@pytest.mark.parametrize("combos", [COMBOS, EVERY_ROW_MIN_P])
 @pytest.mark.parametrize("head", [4, 16, 2048])  # 4: most cuts lie past the head; 2048: past V
-def test_combined_truncation_follows_the_warpers_in_order(head: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_combined_truncation_follows_the_warpers_in_order(combos: list[dict[str, float]], head: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sampling_draw, "HEAD", head)
-    combos = [dict(min_p=0.01, top_k=30, top_p=0.9), dict(min_p=0.001, top_p=0.97), dict(top_k=3, top_p=0.999),
-              dict(top_k=40, top_p=0.8), dict(min_p=0.3, top_p=0.5), dict(top_p=0.99), dict(top_k=12)]
     x = logits(len(combos), seed=12) * torch.linspace(0.1, 1.5, len(combos))[:, None]
     params = [SamplingParams(temperature=0.8, **c) for c in combos]  # type: ignore[arg-type]
     got = kept(x, params)
