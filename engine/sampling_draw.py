@@ -128,16 +128,19 @@ def _top_p_cut(heads: np.ndarray, a: np.ndarray, top: np.ndarray, temp: np.ndarr
     """heads: [n, H] descending largest values of a: [n, V], top / temp / lo (the cut so far) /
     top_p: [n] → ([n] cuts, [n] bool: the nucleus ended inside the head, so the cut is exact).
 
-    The mass is renormalized over the tokens at or above ``lo`` (what min-p and top-k left)."""
+    The mass is renormalized over the tokens at or above ``lo`` (what min-p and top-k left): summed
+    in the head where they are fewer than `HEAD`, else over the whole row. Which sum a row takes
+    depends on the row alone, never on the head's width (the batch's largest top-k widens it), so
+    its cut is the same in any batch to the last bit."""
     n, H = heads.shape
     w = np.exp((heads - top[:, None]) / temp[:, None])  # [n, H]
     alive = heads >= lo[:, None]
     w[~alive] = 0.0
     mass = np.cumsum(w, axis=-1)  # [n, H]
-    total = mass[:, -1].copy()  # [n]: exact where every survivor is in the head
-    past = (heads[:, -1] >= lo) & (a.shape[1] > H)  # survivors may lie past the head
-    if past.any():
-        total[past] = _mass(_rows(a, past), top[past], temp[past], lo[past])
+    total = mass[:, -1].copy()  # [n]
+    many = alive.sum(-1) >= HEAD  # [n]: survivors may lie past the head
+    if many.any():
+        total[many] = _mass(_rows(a, many), top[many], temp[many], lo[many])
     goal = top_p * total  # [n]
     kept = (alive & (mass - w < goal[:, None])).sum(-1)  # [n] >= 1: mass strictly before < goal
     cut = np.maximum(lo, heads[np.arange(n), kept - 1])

@@ -142,6 +142,7 @@ PARAMS = [
                    stop_token_ids=(0, 1)),
     SamplingParams(temperature=0.5, seed=5, top_p=0.3, min_p=0.05),
     SamplingParams(temperature=1.5, seed=6, top_p=0.95, min_p=0.001),
+    SamplingParams(temperature=0.9, seed=7, top_k=40, top_p=0.97),  # widens the batch's head past HEAD
 ]
 
 
