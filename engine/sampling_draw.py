@@ -167,7 +167,26 @@ def draw(a: np.ndarray, cut: np.ndarray, temps: np.ndarray, u: np.ndarray) -> np
         ids = None if cut[i] == -np.inf else np.flatnonzero(kept[i])  # [n] ascending token ids
         x = row if ids is None else row[ids]
         w = np.exp((x - x.max()) / np.float32(temps[i]))  # [n] the kept tokens' weights
-        cdf = np.cumsum(w, dtype=np.float64)
-        j = int(np.searchsorted(cdf, u[i] * cdf[-1], side="right"))  # u < 1: j is a kept token
+        j = _invert(w, u[i])
         out[i] = j if ids is None else ids[j]
     return out
+
+
+BLOCK = 256  # the inverse CDF walks block sums, then one block: a whole vocabulary is ~200 blocks
+
+
+def _invert(w: np.ndarray, u: float) -> int:
+    """w: [n] weights (>= 0, some > 0), u in [0, 1) → the first ``j`` whose running sum of ``w``
+    exceeds ``u * sum(w)``: the block sums' running sum finds the block, then the block's own."""
+    if len(w) <= BLOCK:
+        cdf = np.cumsum(w, dtype=np.float64)
+        return int(np.searchsorted(cdf, u * cdf[-1], side="right"))  # u < 1: a weight > 0
+    sums = np.cumsum(np.add.reduceat(w, np.arange(0, len(w), BLOCK), dtype=np.float64))  # [n / BLOCK]
+    target = u * sums[-1]
+    b = int(np.searchsorted(sums, target, side="right"))  # the first block past the target: sum > 0
+    inner = w[b * BLOCK : (b + 1) * BLOCK]
+    j = int(np.searchsorted(np.cumsum(inner, dtype=np.float64), target - (sums[b - 1] if b else 0.0),
+                            side="right"))
+    if j == len(inner):  # the block's own sum rounded below the target left in it: its last weight
+        j = int(np.flatnonzero(inner)[-1])
+    return b * BLOCK + j

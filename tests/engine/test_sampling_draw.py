@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
 
 from engine import sampling_draw
 from engine.sampling import SamplerState, SamplingParams, sample
-from engine.sampling_draw import truncate
+from engine.sampling_draw import BLOCK, _invert, truncate
 
 pytestmark = pytest.mark.timeout(120)
 V = 50
@@ -192,3 +192,29 @@ def test_unseeded_draws_follow_the_distribution() -> None:
     got = torch.tensor(sample(x, states)[0])
     freq = torch.bincount(got, minlength=V)[:4].float() / len(got)
     torch.testing.assert_close(freq, x[0, :4].softmax(-1) / x[0].softmax(-1)[:4].sum(), atol=0.015, rtol=0)
+
+
+def test_whole_vocabulary_draws_follow_the_distribution_across_blocks() -> None:
+    n, vocab = 4000, 4 * BLOCK + 37  # no truncation: the draw walks block sums, then one block
+    x = torch.full((1, vocab), -6.0)
+    likely = [5, BLOCK + 3, 2 * BLOCK + 250, vocab - 1]  # in four blocks, the last one ragged
+    x[0, likely] = torch.tensor([2.0, 1.5, 1.0, 0.5])
+    got = torch.tensor(sample(x.repeat(n, 1), [SamplerState.new(SamplingParams(temperature=1.0, seed=s))
+                                                for s in range(n)])[0])
+    freq = torch.bincount(got, minlength=vocab).float() / n
+    torch.testing.assert_close(freq[likely], x[0].softmax(-1)[likely], atol=0.025, rtol=0)
+
+
+def test_inverse_cdf_is_the_running_sum_search() -> None:
+    rng = torch.Generator().manual_seed(14)
+    for size in (1, 7, BLOCK, BLOCK + 1, 3 * BLOCK + 5):
+        for _ in range(20):
+            w = torch.rand(size, generator=rng) * (torch.rand(size, generator=rng) > 0.3)  # runs of zeros
+            if not w.any():
+                continue
+            u = float(torch.rand(1, generator=rng, dtype=torch.float64)[0])
+            running = torch.cumsum(w.double(), 0)
+            want = int((running <= u * running[-1]).sum())  # the first index whose running sum exceeds
+            assert _invert(w.numpy(), u) == want, (size, u)
+            last = int(torch.nonzero(w)[-1])
+            assert _invert(w.numpy(), math.nextafter(1.0, 0.0)) == last  # u just below 1: the last weight > 0
