@@ -294,7 +294,7 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> Sampled:
     hot = [i for i, p in enumerate(params) if not p.greedy]
     ids = argmax(x) if len(hot) < len(states) else np.empty(len(states), dtype=np.int64)  # [B]
     if hot:
-        a = host(x) if len(hot) == len(states) else host(x)[hot]  # [b, V]
+        a = host(x if len(hot) == len(states) else x[hot])  # [b, V]
         sub = [params[i] for i in hot]
         cut = truncate(a, sub)  # [b]: temperature, min-p, top-k, top-p
         temps = np.array([p.temperature for p in sub])

@@ -14,10 +14,12 @@ reaches ``top_p``: a token is dropped when the mass strictly before it already r
 temperature is folded into the arithmetic (``exp((x - max) / T)``); no divided copy of a row is made.
 
 Why the host (numpy): the cut needs the row's largest values in order, and the draw the kept tokens'
-ids. numpy's partition and sort are vectorized (SIMD); torch's CPU top-k, sort and argmax run one
-element at a time. A row's cut comes from its `HEAD` largest values (a partition, then a sort of
-only those); a row whose nucleus reaches deeper sorts its whole row. Logits on an accelerator are
-copied to the host for these stages (the hot rows only).
+ids. numpy's partition, sort and argmax are vectorized (SIMD); torch's CPU top-k, sort and argmax
+are many times slower on one thread. The cuts come from the tokens min-p leaves where it leaves
+every truncated row fewer than `HEAD` (a comparison), else from each row's `HEAD` largest values
+(a partition, then a sort of only those); a row whose nucleus reaches deeper sorts its whole row.
+The draw's running sum goes over block sums, then one block. Logits on an accelerator are copied
+to the host for these stages (the sampled rows only).
 
 Invariants: a row's cut and draw depend only on that row's logits, its params and its uniform
 number ``u`` in [0, 1), never on the other rows; ``draw`` picks kept token ``j`` with probability
