@@ -1,0 +1,97 @@
+"""Prompt log-probs at the HTTP edge (no Ray): which requests ask, the shapes vLLM answers with
+(completions ``echo`` + ``logprobs``: the prompt's tokens first; ``prompt_logprobs`` lists), the
+stream's first chunk agreeing with the whole response, and a pool that omits them failing the request."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from engine.prompt_logprobs import PromptLogprobs
+from engine.sampling import SamplingParams
+from router.backends import Backends
+from router.generation import Delta, Generation, GenerationInput, StreamError
+from router.metrics import RouterMetrics
+from router.openai_format import ChatFormatter, CompletionFormatter
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from tests.support.fake_handles import FakeHandle
+from tests.support.pd_fakes import FakeCodec, FakeDecode, FakePrefill
+
+pytestmark = pytest.mark.timeout(30)
+
+PROMPT = (72, 105)  # "Hi" in the fake codec
+SCORES = PromptLogprobs(token_logprobs=(-1.5,), ranks=(2,), top_ids=((33, 105, 63),),
+                        top_logprobs=((-0.25, -1.5, float("-inf")),))
+DELTAS = [Delta("!", (33,), (-0.5,), top_logprobs=(((33, -0.5), (46, -1.0)),), prompt_logprobs=SCORES),
+          Delta("?", (63,), (-2.0,), finish_reason="length", top_logprobs=(((46, -0.75), (33, -1.25)),))]
+
+
+def comp(**kw: object) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": "Hi", **kw})
+
+
+def test_which_requests_ask_and_which_are_refused() -> None:
+    assert comp().prompt_logprobs_k is None and comp(logprobs=2).prompt_logprobs_k is None
+    assert comp(echo=True, logprobs=2).prompt_logprobs_k == 2  # vLLM: echo's k is logprobs'
+    assert comp(echo=True, logprobs=2, prompt_logprobs=4).prompt_logprobs_k == 4
+    assert comp(prompt_logprobs=0).prompt_logprobs_k == 0
+    assert comp(echo=True, logprobs=1, stream=True).prompt_logprobs_k == 1  # the first chunk carries them
+    for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": 2, "stream": True}):
+        with pytest.raises(ValidationError, match="prompt_logprobs"):
+            comp(**bad)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert ChatCompletionRequest.model_validate({**chat, "prompt_logprobs": 3}).prompt_logprobs == 3
+    with pytest.raises(ValidationError, match="prompt_logprobs"):
+        ChatCompletionRequest.model_validate({**chat, "prompt_logprobs": 1, "stream": True})
+
+
+def formatter() -> CompletionFormatter:
+    return CompletionFormatter(model="m", codec=FakeCodec(), prompt_tokens=2, logprobs=True, top_logprobs=2,
+                               echo="Hi", echo_logprobs=True, prompt_ids=PROMPT)
+
+
+def test_echo_with_logprobs_puts_the_prompt_tokens_first() -> None:
+    whole = formatter()
+    for d in DELTAS:
+        whole.add(d)
+    body = whole.response().model_dump()
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == "Hi!?"
+    assert lp["tokens"] == ["H", "i", "!", "?"] and lp["text_offset"] == [0, 1, 2, 3]
+    assert lp["token_logprobs"] == [None, -1.5, -0.5, -2.0]
+    assert lp["top_logprobs"] == [None, {"!": -0.25, "i": -1.5}, {"!": -0.5, ".": -1.0},
+                                  {".": -0.75, "!": -1.25, "?": -2.0}]
+    # vLLM's list: the prompt's token with its rank, then the top 3 ranked 1..3; -inf sent as -9999
+    assert choice["prompt_logprobs"] == [None, {
+        105: {"logprob": -1.5, "rank": 2, "decoded_token": "i"},
+        33: {"logprob": -0.25, "rank": 1, "decoded_token": "!"},
+        63: {"logprob": -9999.0, "rank": 3, "decoded_token": "?"}}]
+    streamed = formatter()
+    chunks = [streamed.chunk(d).model_dump()["choices"][0] for d in DELTAS]
+    assert "prompt_logprobs" not in chunks[0]
+    assert "".join(c["text"] for c in chunks) == "Hi!?"
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks for x in c["logprobs"][key]] == lp[key]
+
+
+def test_prompt_logprobs_only_where_asked() -> None:
+    plain = CompletionFormatter(model="m", codec=FakeCodec(), prompt_tokens=2, logprobs=False)
+    plain.add(DELTAS[1])
+    assert "prompt_logprobs" not in plain.response().model_dump()["choices"][0]
+    chat = ChatFormatter(model="m", codec=FakeCodec(), prompt_tokens=2, logprobs=False, prompt_ids=PROMPT)
+    for d in DELTAS:
+        chat.add(d)
+    body = chat.response().model_dump()
+    assert body["prompt_logprobs"][1][105]["rank"] == 2 and "prompt_logprobs" not in body["choices"][0]
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+async def test_a_pool_without_them_fails_the_request(colocated: bool) -> None:
+    """The fakes compute no prompt log-probs: a request that asks gets an error, never a reply without."""
+    prefill = None if colocated else FakeHandle(FakePrefill(None))
+    gen = Generation(Backends(prefill, FakeHandle(FakeDecode(None)), 5.0, 5.0, 1.0), FakeCodec(), RouterMetrics())
+    inp = GenerationInput(request_id="r", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=3),
+                          prompt_logprobs=1)
+    with pytest.raises(StreamError, match="prompt log-probs"):
+        _ = [d async for d in gen.stream(inp)]
