@@ -126,20 +126,21 @@ class CompletionFormatter(Formatter):
                   offset: int) -> CompletionLogprobs | None:
         if not self.logprobs:
             return None
-        out = CompletionLogprobs(top_logprobs=[] if self.top_logprobs else None)
+        out = CompletionLogprobs()
+        tops_out: list[dict[str, float] | None] = []  # with k = 0 too: each token alone (as vLLM answers)
         for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
             tok = self.codec.token_text(tid)
             out.tokens.append(tok)
             out.token_logprobs.append(lp)
             out.text_offset.append(offset)
             offset += len(tok)
-            if out.top_logprobs is not None:  # the k most likely, and the chosen token (as vLLM does)
-                if lp is None:  # an echoed prompt's first token
-                    out.top_logprobs.append(None)
-                    continue
-                top = {self.codec.token_text(t): v for t, v in (tops[i] or () if i < len(tops) else ())}
-                top.setdefault(tok, lp)
-                out.top_logprobs.append(top)
+            if lp is None:  # an echoed prompt's first token
+                tops_out.append(None)
+                continue
+            top = {self.codec.token_text(t): v for t, v in (tops[i] or () if i < len(tops) else ())}
+            top.setdefault(tok, lp)  # the k most likely, and the chosen token (as vLLM does)
+            tops_out.append(top)
+        out.top_logprobs = tops_out
         return out
 
     def chunk(self, delta: Delta) -> BaseModel:

@@ -51,13 +51,17 @@ def vllm_prompt_logprobs(prompt: Sequence[int], scores: PromptLogprobs, codec: T
 
 def echoed_entries(prompt: Sequence[int], scores: PromptLogprobs, k: int
                    ) -> tuple[list[float | None], list[TopLogprobs | None]]:
-    """Per prompt token: its log-prob and its ``k`` most likely alternatives (the first: None, None),
-    in the per-token form the completions formatter takes for generated tokens."""
+    """Per prompt token: its log-prob and the alternatives to list with it (the first: None, None),
+    in the per-token form the completions formatter takes for generated tokens. The alternatives
+    are vLLM's: the first ``k + 1`` of its position's entries (the token itself, then the most
+    likely), so ``prompt_logprobs`` above ``logprobs`` lists no more than ``logprobs`` asks."""
     _check(prompt, scores)
     lps: list[float | None] = [None, *(max(lp, FLOOR) for lp in scores.token_logprobs)]
     tops: list[TopLogprobs | None] = [None]
-    for ids, vals in zip(scores.top_ids, scores.top_logprobs, strict=True):
-        tops.append(tuple((t, max(v, FLOOR)) for t, v in zip(ids[:k], vals[:k], strict=True)))
+    for tid, own, ids, vals in zip(prompt[1:], scores.token_logprobs, scores.top_ids, scores.top_logprobs,
+                                   strict=True):
+        entry = {tid: own, **{t: v for t, v in zip(ids, vals, strict=True) if t != tid}}
+        tops.append(tuple((t, max(v, FLOOR)) for t, v in list(entry.items())[: k + 1]))
     return lps, tops
 
 

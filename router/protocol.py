@@ -25,6 +25,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -77,11 +78,12 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # per prompt position: the token's and k more
 
-    @model_validator(mode="after")
-    def _prompt_logprobs_not_streamed(self) -> GenerationRequest:
-        if self.prompt_logprobs is not None and self.stream:
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("stream"):  # ``stream`` is declared, so validated, first
             raise ValueError("prompt_logprobs are not available when stream=True")
-        return self
+        return v
 
     @field_validator("logit_bias")
     @classmethod

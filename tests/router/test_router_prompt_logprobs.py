@@ -4,12 +4,15 @@ stream's first chunk agreeing with the whole response, and a pool that omits the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from pydantic import ValidationError
 
 from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling import SamplingParams
 from router.backends import Backends
+from router.errors import from_validation_errors
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import RouterMetrics
 from router.openai_format import ChatFormatter, CompletionFormatter
@@ -36,17 +39,18 @@ def test_which_requests_ask_and_which_are_refused() -> None:
     assert comp(echo=True, logprobs=2, prompt_logprobs=4).prompt_logprobs_k == 4
     assert comp(prompt_logprobs=0).prompt_logprobs_k == 0
     assert comp(echo=True, logprobs=1, stream=True).prompt_logprobs_k == 1  # the first chunk carries them
-    for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": 2, "stream": True}):
-        with pytest.raises(ValidationError, match="prompt_logprobs"):
+    for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": 0, "stream": True}):
+        with pytest.raises(ValidationError) as e:
             comp(**bad)
+        assert from_validation_errors(e.value.errors()).param == "prompt_logprobs"
     chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     assert ChatCompletionRequest.model_validate({**chat, "prompt_logprobs": 3}).prompt_logprobs == 3
     with pytest.raises(ValidationError, match="prompt_logprobs"):
         ChatCompletionRequest.model_validate({**chat, "prompt_logprobs": 1, "stream": True})
 
 
-def formatter() -> CompletionFormatter:
-    return CompletionFormatter(model="m", codec=FakeCodec(), prompt_tokens=2, logprobs=True, top_logprobs=2,
+def formatter(k: int = 2) -> CompletionFormatter:
+    return CompletionFormatter(model="m", codec=FakeCodec(), prompt_tokens=2, logprobs=True, top_logprobs=k,
                                echo="Hi", echo_logprobs=True, prompt_ids=PROMPT)
 
 
@@ -60,7 +64,8 @@ def test_echo_with_logprobs_puts_the_prompt_tokens_first() -> None:
     assert choice["text"] == "Hi!?"
     assert lp["tokens"] == ["H", "i", "!", "?"] and lp["text_offset"] == [0, 1, 2, 3]
     assert lp["token_logprobs"] == [None, -1.5, -0.5, -2.0]
-    assert lp["top_logprobs"] == [None, {"!": -0.25, "i": -1.5}, {"!": -0.5, ".": -1.0},
+    # vLLM's: a prompt position lists its first k + 1 entries (the token, then the most likely)
+    assert lp["top_logprobs"] == [None, {"i": -1.5, "!": -0.25, "?": -9999.0}, {"!": -0.5, ".": -1.0},
                                   {".": -0.75, "!": -1.25, "?": -2.0}]
     # vLLM's list: the prompt's token with its rank, then the top 3 ranked 1..3; -inf sent as -9999
     assert choice["prompt_logprobs"] == [None, {
@@ -73,6 +78,20 @@ def test_echo_with_logprobs_puts_the_prompt_tokens_first() -> None:
     assert "".join(c["text"] for c in chunks) == "Hi!?"
     for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [x for c in chunks for x in c["logprobs"][key]] == lp[key]
+
+
+def test_echo_lists_no_more_alternatives_than_logprobs_asks() -> None:
+    """Three alternatives computed (``prompt_logprobs`` 3), ``logprobs`` 1: an echoed prompt token
+    lists itself and the most likely one (vLLM's first k + 1 entries)."""
+    one = formatter(k=1)
+    for d in DELTAS:
+        one.add(d)
+    assert one.response().model_dump()["choices"][0]["logprobs"]["top_logprobs"][1] == {"i": -1.5, "!": -0.25}
+    zero = formatter(k=0)  # logprobs 0: each token's dict holds the token alone, as vLLM answers
+    for d in DELTAS:
+        zero.add(dataclasses.replace(d, top_logprobs=()))  # what `Generation` sends when k is 0
+    tops = zero.response().model_dump()["choices"][0]["logprobs"]["top_logprobs"]
+    assert tops == [None, {"i": -1.5}, {"!": -0.5}, {"?": -2.0}]
 
 
 def test_prompt_logprobs_only_where_asked() -> None:
