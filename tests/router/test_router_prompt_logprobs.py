@@ -5,12 +5,15 @@ stream's first chunk agreeing with the whole response, and a pool that omits the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator
 
 import pytest
 from pydantic import ValidationError
 
+from decode_worker.types import DecodeRequest, TokenEvent
 from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling import SamplingParams
+from prefill_worker.types import PrefillRequest, PrefillResult
 from router.backends import Backends
 from router.errors import from_validation_errors
 from router.generation import Delta, Generation, GenerationInput, StreamError
@@ -18,7 +21,7 @@ from router.metrics import RouterMetrics
 from router.openai_format import ChatFormatter, CompletionFormatter
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from tests.support.fake_handles import FakeHandle
-from tests.support.pd_fakes import FakeCodec, FakeDecode, FakePrefill
+from tests.support.pd_fakes import FakeCodec, FakeDecode, FakePrefill, fake_prompt_logprobs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -105,12 +108,38 @@ def test_prompt_logprobs_only_where_asked() -> None:
     assert body["prompt_logprobs"][1][105]["rank"] == 2 and "prompt_logprobs" not in body["choices"][0]
 
 
+class ForgetfulPrefill(FakePrefill):
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        return dataclasses.replace(await super().prefill(req), prompt_logprobs=None)
+
+
+class ForgetfulDecode(FakeDecode):
+    async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
+        async for ev in super().generate(req):
+            yield dataclasses.replace(ev, prompt_logprobs=None)
+
+
+def generation(colocated: bool, forgetful: bool = False) -> Generation:
+    prefill = None if colocated else FakeHandle((ForgetfulPrefill if forgetful else FakePrefill)(None))
+    decode = FakeHandle((ForgetfulDecode if forgetful else FakeDecode)(None))
+    return Generation(Backends(prefill, decode, 5.0, 5.0, 1.0), FakeCodec(), RouterMetrics())
+
+
+INPUT = GenerationInput(request_id="r", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=3),
+                        prompt_logprobs=1)
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+async def test_token_zero_brings_them_in_both_modes(colocated: bool) -> None:
+    deltas = [d async for d in generation(colocated).stream(INPUT)]
+    assert deltas[0].prompt_logprobs == fake_prompt_logprobs(PROMPT, 1)
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    plain = [d async for d in generation(colocated).stream(dataclasses.replace(INPUT, prompt_logprobs=None))]
+    assert all(d.prompt_logprobs is None for d in plain)
+
+
 @pytest.mark.parametrize("colocated", [False, True])
 async def test_a_pool_without_them_fails_the_request(colocated: bool) -> None:
-    """The fakes compute no prompt log-probs: a request that asks gets an error, never a reply without."""
-    prefill = None if colocated else FakeHandle(FakePrefill(None))
-    gen = Generation(Backends(prefill, FakeHandle(FakeDecode(None)), 5.0, 5.0, 1.0), FakeCodec(), RouterMetrics())
-    inp = GenerationInput(request_id="r", prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=3),
-                          prompt_logprobs=1)
+    """A request that asks gets an error, never a reply without them."""
     with pytest.raises(StreamError, match="prompt log-probs"):
-        _ = [d async for d in gen.stream(inp)]
+        _ = [d async for d in generation(colocated, forgetful=True).stream(INPUT)]
