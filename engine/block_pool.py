@@ -11,6 +11,11 @@ Invariants (checked by `BlockPool.check_integrity`):
 - ``num_free_blocks`` = free list + cached set: both can be handed out by `allocate`, which takes
   the plain free list first and evicts cached blocks (LRU) only when it is empty.
 
+Sharing: `fork` adds a reference to blocks another sequence holds (the n choices of one prompt
+share the prompt's KV). A block with ref_count > 1 is read-only: a sequence about to write into
+one takes its own copy first (`copy_on_write`; `fork_for_append` forks a sequence and gives it its
+own slot for the next token), so freeing a sequence only ever drops its own references.
+
 Prefix hits are verified, never trusted: the block found for a hash must hold the same tokens and
 its recorded parent must be the very block matched just before it. Each registration gets a fresh
 serial number, so a parent that was evicted and reused no longer matches. A hash collision costs
@@ -145,6 +150,28 @@ class BlockPool:
         for bid in block_ids:
             self.blocks[bid].ref_count += 1
 
+    def copy_on_write(self, block_ids: Sequence[int], position: int) -> tuple[list[int], tuple[int, int] | None]:
+        """Make the block that holds ``position`` this sequence's own before it writes there.
+
+        Returns the sequence's new table and, when that block was shared (ref_count > 1), the copy
+        the caller must make on the device, ``(shared block, its fresh copy)``: the table names the
+        copy, and the shared block loses this sequence's reference. An unshared block is returned
+        as is, with no copy. Raises ValueError on a position the table does not reach and
+        `NoFreeBlocksError` when a copy is needed and no block is free, changing nothing.
+        """
+        i = position // self.block_size
+        if not 0 <= i < len(block_ids):
+            raise ValueError(f"position {position} is outside a table of {len(block_ids)} blocks")
+        shared = block_ids[i]
+        self._check_id(shared)
+        if self.blocks[shared].ref_count <= 1:
+            return list(block_ids), None
+        (copy,) = self.allocate(1)
+        self.blocks[shared].ref_count -= 1  # still > 0: another sequence keeps it
+        table = list(block_ids)
+        table[i] = copy
+        return table, (shared, copy)
+
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Longest run of cached full blocks holding ``token_ids[:k * block_size]``; each gets a reference.
 
@@ -262,3 +289,27 @@ class BlockPool:
             assert block.hash is not None
             del self._by_hash[block.hash]
         block.hash, block.token_ids, block.serial, block.parent = None, (), None, None
+
+
+def fork_for_append(pool: BlockPool, block_ids: Sequence[int], num_tokens: int
+                    ) -> tuple[list[int], tuple[int, int] | None]:
+    """A new sequence that continues the one whose KV for ``num_tokens`` tokens is in ``block_ids``.
+
+    The fork shares every full block (one more reference each) and gets its own slot for token
+    ``num_tokens``: a fresh block when ``num_tokens`` is block-aligned, else a private copy of the
+    shared partial last block (copy-on-write, done at the fork because the fork's very next token
+    is written there). Returns the fork's table and that copy ``(source, destination)`` for the
+    caller to make on the device once the source holds its KV, or None. Takes exactly one free block;
+    raises `NoFreeBlocksError` (changing nothing) when there is none, ValueError when ``block_ids``
+    cannot hold ``num_tokens`` tokens.
+    """
+    n_data = -(-num_tokens // pool.block_size)
+    if num_tokens < 1 or len(block_ids) < n_data:
+        raise ValueError(f"{len(block_ids)} blocks cannot hold the KV of {num_tokens} tokens")
+    if not pool.can_allocate(1):
+        raise NoFreeBlocksError("a fork needs one free block, none is free")
+    shared = list(block_ids[:n_data])
+    pool.fork(shared)
+    if num_tokens % pool.block_size == 0:
+        return shared + pool.allocate(1), None
+    return pool.copy_on_write(shared, num_tokens)

@@ -14,10 +14,11 @@ Life cycle of a request (each name is a queue or a state in this file):
    ``max_chunk_tokens`` per step — a long prompt is prefilled over several steps (chunked prefill)
    and short prompts pass it between its chunks; several short prompts share one forward. A job
    that asks for prompt log-probs has each chunk's scored in the same forward (`engine.prompt_logprobs`).
-4. After its last chunk a job samples token 0, registers its full blocks in the prefix cache, and
-   its blocks move to the **outbox** under a lease; the caller gets a `PrefillResult` with a
-   `KVHandle`. If token 0 already ends the request (EOS, a stop id, ``max_tokens == 1``) the blocks
-   are freed at once and the result has no handle.
+4. After its last chunk a job samples token 0 (``n`` choices: one token 0 per choice, each from
+   the same logits with its choice's seed, `engine.choices`), registers its full blocks in the
+   prefix cache, and its blocks move to the **outbox** under a lease; the caller gets a
+   `PrefillResult` with a `KVHandle`. If token 0 already ends the request (EOS, a stop id,
+   ``max_tokens == 1``; for every choice) the blocks are freed at once and the result has no handle.
 5. The decode side pulls the blocks and sends DONE (or RELEASE); the outbox frees them then, or
    when the lease expires.
 
@@ -37,6 +38,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from engine.choices import choice_params
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.load_report import LoadReport
@@ -49,7 +53,7 @@ from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from kv_transfer.outbox import Outbox
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.types import PrefillRequest, PrefillResult, PrefillTimings
+from prefill_worker.types import FirstToken, PrefillRequest, PrefillResult, PrefillTimings
 
 log = logging.getLogger(__name__)
 
@@ -200,11 +204,22 @@ class PrefillWorker:
             job.num_chunks += 1
         return chunks, jobs
 
-    def _finish(self, job: _Job, logits_row: object) -> None:
+    def _first_tokens(self, req: PrefillRequest, logits_row: torch.Tensor) -> list[FirstToken]:
+        """Token 0 of each choice, sampled from the prompt's last logits ([1, V]) with its own seed."""
+        states = [SamplerState.new(choice_params(req.sampling, i), req.prompt_token_ids, eos_ids=self.eos_ids)
+                  for i in range(req.n)]
+        out = sample(logits_row.expand(req.n, -1).contiguous(), states)
+        firsts = []
+        for token, logprob, top in zip(*out, strict=True):
+            stop = req.sampling.is_stop(token, self.eos_ids)
+            reason = "stop" if stop else ("length" if req.sampling.max_tokens == 1 else None)
+            firsts.append(FirstToken(token, logprob, top, reason))
+        return firsts
+
+    def _finish(self, job: _Job, logits_row: torch.Tensor) -> None:
         req = job.req
-        state = SamplerState.new(req.sampling, req.prompt_token_ids, eos_ids=self.eos_ids)
-        out = sample(logits_row, [state])  # type: ignore[arg-type]
-        token, logprob, top = out.token_ids[0], out.logprobs[0], out.top[0]
+        first, *more = self._first_tokens(req, logits_row)
+        token, logprob, top = first.token_id, first.logprob, first.top_logprobs
         pool = self.engine.pool
         pool.commit_full_blocks(job.blocks, job.prompt)
         timings = PrefillTimings(
@@ -213,13 +228,13 @@ class PrefillWorker:
             num_chunks=job.num_chunks,
         )
         self.num_prefilled += 1
-        stop = req.sampling.is_stop(token, self.eos_ids)
-        if stop or req.sampling.max_tokens == 1 or job.future.done():  # done: the caller gave up
+        ended = all(f.finish_reason is not None for f in (first, *more))
+        if ended or job.future.done():  # done: the caller gave up
             pool.free(job.blocks)
             result = PrefillResult(
                 request_id=req.request_id, token_id=token, logprob=logprob, handle=None, finished=True,
-                finish_reason="stop" if stop else "length", num_cached_tokens=job.num_cached, timings=timings,
-                top_logprobs=top, prompt_logprobs=job.scores,
+                finish_reason=first.finish_reason or "length", num_cached_tokens=job.num_cached, timings=timings,
+                top_logprobs=top, prompt_logprobs=job.scores, more_choices=tuple(more),
             )
         else:
             transfer_id = f"{req.request_id}-{uuid.uuid4().hex[:12]}"
@@ -232,6 +247,7 @@ class PrefillWorker:
             result = PrefillResult(
                 request_id=req.request_id, token_id=token, logprob=logprob, handle=handle,
                 num_cached_tokens=job.num_cached, timings=timings, top_logprobs=top, prompt_logprobs=job.scores,
+                finish_reason=first.finish_reason, more_choices=tuple(more),
             )
         if not job.future.done():
             job.future.set_result(result)

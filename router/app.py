@@ -186,7 +186,8 @@ class Router:
             model=req.model, codec=self._codec, prompt_tokens=len(prompt),
             logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, include_usage=req.include_usage,
             echo=echo_text(req, prompt, self._codec) if req.echo else "",
-            echo_logprobs=req.echo and req.logprobs is not None, prompt_ids=prompt if k is not None else ())
+            echo_logprobs=req.echo and req.logprobs is not None, prompt_ids=prompt if k is not None else (),
+            n=req.n)
         return await self._run(req.stream, prompt, req, fmt, k)
 
     @app.post("/v1/chat/completions")
@@ -196,7 +197,7 @@ class Router:
         fmt: Formatter = ChatFormatter(model=req.model, codec=self._codec, prompt_tokens=len(prompt),
                                        logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
                                        include_usage=req.include_usage,
-                                       prompt_ids=prompt if req.prompt_logprobs is not None else ())
+                                       prompt_ids=prompt if req.prompt_logprobs is not None else (), n=req.n)
         return await self._run(req.stream, prompt, req, fmt, req.prompt_logprobs)
 
     async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
@@ -208,7 +209,7 @@ class Router:
         inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
                               stop_strings=req.stop_strings, include_stop_str=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
-                              arrival_mono=arrival_mono)
+                              arrival_mono=arrival_mono, n=req.n)
         deltas = self._generation.stream(inp)
         try:
             first = await deltas.__anext__()
