@@ -94,6 +94,7 @@ class _Choice:
     stops: StopMatcher
     num_tokens: int = 0
     finish_reason: str | None = None
+    last_sent: float | None = None  # for its inter-token latency
 
 
 @dataclass
@@ -102,6 +103,7 @@ class _State:
     first_sent: float | None = None
     last_sent: float | None = None
     decoded: bool = False  # a decode event brought a token
+    timed: bool = False  # the decode side's timings are recorded (once per request, not per choice)
 
     @property
     def finished(self) -> bool:
@@ -160,7 +162,9 @@ class Generation:
                                 lost = ev.error or "KV lost"
                                 break
                             raise StreamError(ev.error or "the decode pool failed this request")
-                        self._record_timings(ev.timings)
+                        if ev.timings is not None and not st.timed:
+                            st.timed = True
+                            self._record_timings(ev.timings)
                         choice = st.choices[ev.index]
                         if choice.finish_reason is not None:
                             continue  # ended here (a stop string): the replica runs it until all end
@@ -261,16 +265,15 @@ class Generation:
 
     def _sent(self, st: _State, delta: Delta) -> Delta:
         now = time.perf_counter()
+        choice = st.choices[delta.index]
         if st.first_sent is None:
             st.first_sent = now
-        elif st.last_sent is not None:
-            self._metrics.itl.observe(now - st.last_sent)
-        st.last_sent = now
+        if choice.last_sent is not None:
+            self._metrics.itl.observe(now - choice.last_sent)  # the gap within one choice's stream
+        choice.last_sent = st.last_sent = now
         return delta
 
-    def _record_timings(self, t: DecodeTimings | None) -> None:
-        if t is None:
-            return
+    def _record_timings(self, t: DecodeTimings) -> None:
         if not self._backends.disaggregated:
             self._metrics.queue.observe(t.queue_s)
             self._metrics.prefill.observe(t.prefill_s)

@@ -88,6 +88,19 @@ async def test_seeded_choices_follow_their_derived_seeds(tiny_path, ref_engine: 
     assert all(o == want for o in others)  # reproducible, whichever process sampled what
 
 
+async def test_choices_end_on_their_own_and_free_their_blocks(tiny_path, ref_engine: Engine) -> None:
+    """A stop id that ends one choice early: that choice finishes (its blocks freed, the shared ones
+    kept for the others) while the others run on, each equal to its reference."""
+    prompt = random_prompt(random.Random(12), 37)
+    free_run = {i: reference(ref_engine, prompt, choice_params(SEEDED, i)) for i in range(3)}
+    stop = next(t for t in free_run[1][1:6] if t not in free_run[0] and t not in free_run[2])
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.0, seed=5, top_k=40, stop_token_ids=(stop,))
+    want = {i: reference(ref_engine, prompt, choice_params(params, i)) for i in range(3)}
+    assert len(want[1]) < 20 and len(want[0]) == len(want[2]) == 20
+    for got in await run_modes(tiny_path, prompt, params, n=3):
+        assert got == want
+
+
 async def test_forks_swapped_under_pressure_still_equal_the_reference(tiny_path, ref_engine: Engine) -> None:
     """10 blocks of 16 tokens: 4 choices of a 40-token prompt growing by 60 tokens each need 28
     unshared blocks, so forks are swapped out (with blocks their siblings share) and back in."""

@@ -172,6 +172,10 @@ async def test_choices_each_have_their_text_and_all_tokens_count(colocated: bool
     assert metrics.registry.get_sample_value("pdserve:prompt_tokens_total") == 3
     ok = metrics.registry.get_sample_value("pdserve:request_success_total", {"finish_reason": "length"})
     assert ok == 3
+    gaps = sum(len(mine) - 1 for mine in by_choice(deltas, 3))  # within each choice's stream
+    assert metrics.registry.get_sample_value("pdserve:inter_token_latency_seconds_count") == gaps
+    timed = "request_queue_time_seconds" if colocated else "kv_transfer_time_seconds"
+    assert metrics.registry.get_sample_value(f"pdserve:{timed}_count") == 1  # once per request
 
 
 async def test_a_stop_string_ends_one_choice_and_the_others_go_on() -> None:
