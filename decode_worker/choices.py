@@ -1,8 +1,8 @@
 """One request's choices inside a decode worker: its streams, one per choice, relayed as one stream.
 
-Owns: `ChoiceGroup` (a request's `Stream`s, head first, sharing one readiness event, and the task
-pulling the prompt's KV they share) and `Relay` (the ``stream_interval`` batching of one choice's
-events).
+Owns: `ChoiceGroup` (a request's `Stream`s, head first, sharing one readiness event, the task
+pulling the prompt's KV they share, and `ChoiceGroup.relay`, their events as one stream) and `Relay`
+(the ``stream_interval`` batching of one choice's events).
 
 A request with ``n`` choices is one group of ``n`` streams (a lone choice is a group of one): the
 scheduler holds the head's sequence with the others as its forks (`decode_worker.scheduler`), so
@@ -19,7 +19,7 @@ returns a stream with nothing pending.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from decode_worker.stream import Stream
@@ -63,6 +63,23 @@ class ChoiceGroup:
             self.ready.clear()
             await self.ready.wait()
         return [(st, st.take()) for st in self.streams if st.pending]
+
+    async def relay(self, interval: int, timeout_s: float, on_timeout: Callable[[Stream], None]
+                    ) -> AsyncIterator[TokenEvent]:
+        """Every choice's events as the caller gets them (a `Relay` each), until each choice's final
+        one; ``on_timeout`` ends each open stream when none has an event within ``timeout_s``."""
+        relays = {st.index: Relay(interval) for st in self.streams}
+        while not all(r.done for r in relays.values()):
+            try:
+                taken = await asyncio.wait_for(self.next_events(), timeout_s)
+            except asyncio.TimeoutError:
+                for st in self.streams:
+                    if not st.closed:
+                        on_timeout(st)
+                continue  # their final events are queued now
+            for st, ev in taken:
+                for out in relays[st.index].feed(ev):
+                    yield out
 
 
 @dataclass

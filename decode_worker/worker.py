@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import torch
 
-from decode_worker.choices import ChoiceGroup, Relay
+from decode_worker.choices import ChoiceGroup
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import KVImporter
 from decode_worker.scheduler import DecodeScheduler, SchedulerConfig, SchedulerOutput, SeqStatus
@@ -112,19 +112,11 @@ class DecodeWorker:
         ``stream_interval`` tokens per event (fewer when the consumer catches up with the end); a
         token-less end follows the tokens before it (`decode_worker.choices.Relay`)."""
         group = self._admit(req)
-        relays = {st.index: Relay(self.config.stream_interval) for st in group.streams}
+        wait = self.config.token_timeout_s
         try:
-            while not all(r.done for r in relays.values()):
-                try:
-                    taken = await asyncio.wait_for(group.next_events(), self.config.token_timeout_s)
-                except asyncio.TimeoutError:
-                    for st in group.streams:
-                        if not st.closed:
-                            self._end(st, "error", f"no token within {self.config.token_timeout_s:.0f} s")
-                    continue  # the error events are queued now
-                for st, ev in taken:
-                    for out in relays[st.index].feed(ev):
-                        yield out
+            async for ev in group.relay(self.config.stream_interval, wait,
+                                        lambda st: self._end(st, "error", f"no token within {wait:.0f} s")):
+                yield ev
         finally:
             for st in group.streams:
                 if not st.closed or st.seq_id in self.streams:

@@ -124,6 +124,11 @@ def test_n_choices_in_index_order_streamed_with_their_indices(app: str, request:
     assert [ch.text for ch in r.choices] == ["abcde", "abce", "abc"]
     assert [ch.finish_reason for ch in r.choices] == ["stop"] * 3
     assert r.usage is not None and r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 4 + 3 + 2
+    scored = c.completions.create(model=MODEL, prompt="abc", max_tokens=3, n=2, echo=True, logprobs=0)
+    for i, ch in enumerate(scored.choices):  # each choice: the prompt's tokens first, then its own
+        assert ch.logprobs is not None and ch.logprobs.token_logprobs is not None
+        assert ch.logprobs.tokens == ["a", "b", "c", *expected_choice_text("abc", 3, i)]
+        assert ch.logprobs.token_logprobs[0] is None and ch.text == "abc" + expected_choice_text("abc", 3, i)
     msgs: Any = [{"role": "user", "content": "hi"}]
     prompt = "<user>hi<assistant>"
     chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, n=2, stream=True,
