@@ -263,6 +263,30 @@ def test_n_choices_share_one_prompt(cluster: str, oracle, app: str) -> None:
     assert a.usage.completion_tokens == sum(len(ch.logprobs.tokens or ()) for ch in a.choices)  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("app", ["pd", "colo"])
+def test_a_client_leaving_n_choices_frees_every_block(cluster: str, app: str) -> None:
+    """A stream of 3 choices closed after a few chunks: the decode replica ends all three long before
+    their 300 tokens and its block books (checked for integrity by ``stats``) hold nothing once idle."""
+    import time
+
+    decode = serve.get_deployment_handle("decode", app_name=app)
+    steps = decode.stats.remote().result(timeout_s=30)["steps"]
+    stream = client(cluster, app).completions.create(
+        model=DEFAULT_MODEL, prompt="Write a long story about a dragon", max_tokens=300, temperature=0.8, n=3,
+        stream=True, extra_body={"ignore_eos": True})
+    seen: set[int] = set()
+    for chunk in stream:
+        seen.update(ch.index for ch in chunk.choices)
+        if len(seen) == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 60
+    while (d := decode.stats.remote().result(timeout_s=30))["kv_blocks_used"] or d["streams"]:
+        assert time.monotonic() < deadline, d
+        time.sleep(0.2)
+    assert d["steps"] - steps < 299  # aborted: the choices did not run to their end
+
+
 def test_32_concurrent_streams_complete(cluster: str) -> None:
     aclient = openai.AsyncOpenAI(base_url=f"{cluster}/pd/v1", api_key="unused", timeout=240, max_retries=0)
 
