@@ -39,6 +39,7 @@ from cluster.placement import (
 from cluster.serve_yaml import ConfigError, application_args
 from decode_worker.config import DecodeWorkerConfig
 from engine.bundled import DEFAULT_MODEL
+from engine.choices import MAX_CHOICES
 from engine.config import AUTO_DTYPE, EngineConfig, fast_dtype, parse_dtype
 from engine.hub import is_hub_id
 from kv_transfer.config import KVTransferConfig, Transport
@@ -316,7 +317,8 @@ class ClusterConfig(_Section):
                             max_body_bytes=lim.max_body_bytes, default_max_tokens=lim.default_max_tokens,
                             prefill_timeout_s=lim.prefill_timeout_s, token_timeout_s=lim.token_timeout_s,
                             ready_timeout_s=lim.ready_timeout_s,
-                            max_inflight_requests=lim.max_inflight_requests or self.decode_capacity_per_router())
+                            max_inflight_requests=lim.max_inflight_requests or self.decode_capacity_per_router(),
+                            max_choices=min(MAX_CHOICES, self.decode.max_num_seqs))
 
     def decode_capacity_per_router(self) -> int:
         """Requests the decode pool holds (running + queued, at its most replicas), per router replica.

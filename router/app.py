@@ -203,6 +203,8 @@ class Router:
     async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
                    prompt_logprobs: int | None) -> Response:
         arrival_mono = time.perf_counter()
+        if req.n > self._config.max_choices:  # a decode replica runs every choice of a request at once
+            raise bad_request(f"n: at most {self._config.max_choices} choices per request are served", param="n")
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
                                 self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size, fmt.top_logprobs,
                                 self._codec.sampling_defaults)

@@ -144,6 +144,19 @@ def test_n_is_one_when_absent_or_null() -> None:
     assert comp().n == comp(n=None).n == 1 and comp(n=16).n == 16
 
 
+async def test_n_above_the_configured_bound_is_a_400_naming_it() -> None:
+    from types import SimpleNamespace
+
+    from router.app import Router
+    from router.config import RouterConfig
+    from router.errors import APIError
+
+    router = SimpleNamespace(_config=RouterConfig(max_choices=2))
+    with pytest.raises(APIError) as e:
+        await Router.func_or_class._run(router, False, (1, 2), comp(n=3), None, None)  # type: ignore[attr-defined]
+    assert e.value.status == 400 and e.value.param == "n"
+
+
 def test_min_tokens_above_max_tokens_is_refused() -> None:
     with pytest.raises(ValidationError):
         comp(min_tokens=5, max_tokens=4)
