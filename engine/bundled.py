@@ -82,22 +82,29 @@ def _converted(gguf_path: Path, folder: Path, progress: bool) -> Path:
     return folder
 
 
+def _entry(name: str) -> str:
+    """A cache entry's folder name: one per converter version, so that engines of two versions on one
+    host (a rolling upgrade) never convert over each other's entry."""
+    return f"{name}.v{CONVERTER_VERSION}"
+
+
 def _gguf_cache_key(path: Path) -> str:
-    return f"{path.stem}-{file_fingerprint(path)[:12]}"
+    return _entry(f"{path.stem}-{file_fingerprint(path)[:12]}")
 
 
 def prepare_model(name_or_path: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
     """A Hugging Face-style model folder for a model name, a ``.gguf`` file or an HF folder.
 
-    - ``"smollm2-135m-instruct"``: the bundled GGUF, converted once into ``cache_dir/<name>``.
-    - ``path/to/model.gguf``: converted into ``cache_dir/<stem>-<content fingerprint>``.
+    - ``"smollm2-135m-instruct"``: the bundled GGUF, converted once into ``cache_dir/<name>.v<version>``.
+    - ``path/to/model.gguf``: converted into ``cache_dir/<stem>-<content fingerprint>.v<version>``
+      (``version``: `CONVERTER_VERSION`).
     - a folder with ``config.json``: returned as is.
     - a hub id (``Qwen/Qwen3-0.6B``) that is no local path: its snapshot in huggingface_hub's cache,
       downloaded first unless cached or offline (`engine.hub`).
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if name_or_path == DEFAULT_MODEL:
-        return _converted(bundled_gguf_path(), cache / DEFAULT_MODEL, progress)
+        return _converted(bundled_gguf_path(), cache / _entry(DEFAULT_MODEL), progress)
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _converted(path, cache / _gguf_cache_key(path), progress)

@@ -100,7 +100,8 @@ class Engine:
         mcfg = ModelConfig.from_dir(model_dir)
         log_dtype(mcfg.checkpoint_dtype, config)
         max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        weights = load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device)
+        weights = load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device,
+                               keep_int8=config.quantization == "int8")
         with timing_lock(config):  # kernel timings and compiles, not disturbed by another engine's
             model = build_model(mcfg, weights, max_len, config)
             cache = KVCache.allocate(

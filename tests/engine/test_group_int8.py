@@ -1,0 +1,85 @@
+"""GGUF Q8_0 straight into the group-wise int8 kernel: the kernel against ``F.linear`` of the file's
+dequantized weights, and a tiny model's Q8_0 file, loaded with ``quantization: int8`` from the YAML,
+against the same file's weights dequantized (gguf's own dequantizer, through the fp32 reference path).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QT
+
+from cluster.config import ClusterConfig, Environment
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.group_int8 import GroupInt8Linear, GroupQuantized
+from engine.runner import DecodeSeq, PrefillChunk
+from tests.support.gguf_files import TOKENS, tiny_model, write_gguf
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def q8_0(w: torch.Tensor) -> GroupQuantized:
+    """``w`` through gguf's Q8_0 quantizer, as its int8 values and fp32 block scales."""
+    raw = gguf.quants.quantize(w.numpy(), QT.Q8_0).reshape(-1, 34)
+    scale = torch.from_numpy(raw[:, :2].copy().view("float16")).float().reshape(w.shape[0], -1)
+    q = torch.from_numpy(raw[:, 2:].copy().view("int8")).reshape(w.shape)
+    return GroupQuantized(q, scale, 32)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_kernel_multiplies_by_the_files_weights(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w, bias, gain = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(64, generator=g)
+    packed = q8_0(w)
+    dense = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), QT.Q8_0), QT.Q8_0).copy())
+    assert torch.equal(packed.dequantize(), dense)  # q * scale is exact in fp32
+    x, res = torch.randn(rows, 64, generator=g), torch.randn(rows, 96, generator=g)
+    lin = GroupInt8Linear(packed, bias)
+    lin.rows_per_tile = 40  # more than one tile of output rows
+    torch.testing.assert_close(lin(x, residual=res), F.linear(x, dense, bias) + res, atol=1e-5, rtol=1e-5)
+    normed = GroupInt8Linear(packed.with_gain(gain), bias).normed(x, 1e-5)
+    want = F.linear(gain * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)), dense, bias)
+    torch.testing.assert_close(normed, want, atol=1e-5, rtol=1e-5)
+    xb = x.bfloat16()
+    got = lin(xb)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(xb.float(), dense, bias), atol=0.1, rtol=0.02)
+    assert lin.nbytes == 96 * 64 + 96 * 2 * 4 + 96 * 4  # int8 values, an fp32 scale per 32 of them, the bias
+
+
+def test_a_scale_shape_that_is_no_grouping_is_refused() -> None:
+    with pytest.raises(ValueError, match="scale per 32"):
+        GroupQuantized(torch.zeros(4, 48, dtype=torch.int8), torch.ones(4, 2), 32)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_q8_0_gguf_loads_into_int8_kernels_from_the_yaml(tmp_path: Path, family: str) -> None:
+    """Every linear keeps the file's int8 values and scales; logits through prefill, a cached-prefix
+    chunk and decode match the dequantized weights run by the fp32 reference forward."""
+    write_gguf(tmp_path / "m.gguf", tiny_model(family, tied=False), QT.Q8_0, arch=family)
+    cluster = ClusterConfig.from_args({"model": str(tmp_path / "m.gguf"), "mode": "colocated",
+                                       "engine": {"dtype": "float32", "quantization": "int8"}}, Environment())
+    config = cluster.decode_worker_config().engine
+    assert config.quantization == "int8"
+    q8 = Engine.load(str(tmp_path / "m.gguf"), config, cache_dir=tmp_path / "cache")
+    ref = Engine.load(str(tmp_path / "m.gguf"), EngineConfig(dtype="float32", fast_kernels=False),
+                      cache_dir=tmp_path / "cache")
+    model = q8.runner.model
+    kernels = [k for lk in model.layers for k in (lk.qkv, lk.o_proj, lk.gate_up, lk.down)] + [model.lm_head]
+    assert all(isinstance(k, GroupInt8Linear) for k in kernels)
+    assert {c.format for c in model.kernel_choices} == {"int8_group"}
+    assert model.weight_nbytes() < 0.3 * ref.runner.model.weight_nbytes()
+    ids = torch.randint(3, len(TOKENS), (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    blocks = list(range(4))
+    for engine in (q8, ref):
+        engine.runner.prefill([PrefillChunk(ids[:24], 0, blocks)], all_logits=True)
+    got = q8.runner.prefill([PrefillChunk(ids[24:], 24, blocks)], all_logits=True)
+    want = ref.runner.prefill([PrefillChunk(ids[24:], 24, blocks)], all_logits=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    got, want = (e.runner.decode([DecodeSeq(ids[0], 40, blocks)]) for e in (q8, ref))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
