@@ -11,12 +11,14 @@ the dense fast path does: a gain multiplies input columns, which neither an int8
 scale shared by 32 columns can absorb exactly, so the kernel keeps the gain and applies it to the
 normed activations (``gain * norm(x)``: transformers' Llama order).
 
-How: the product dequantizes tiles of output rows (`rows_per_tile`, a bounded scratch) and runs
-a dense matmul per tile: the stored weight is int8 (1 + 2/32 bytes a value), but a call reads it
-and writes its dequantized tile, so it saves memory, not decode time, next to a dense kernel.
-fp32 activations multiply the exact weights (``q * scale`` is exact in fp32: 8 + 11 significant
-bits); bf16 activations multiply them rounded to bf16 where this CPU has bf16 matmul kernels, else
-in fp32 (as `engine.quant.UpcastLinear`), the result rounded to bf16.
+How: this kernel dequantizes tiles of output rows (`rows_per_tile`, a bounded scratch) and runs a
+dense matmul per tile, which suits prefill chunks; decode rows go to the C++ kernel over the same
+int8 values and scales where it builds (`engine.native_linear`, ``csrc/small_linear_group.h``: exact
+integer sums per group over the activations rounded to int16, then the group's scale), which reads
+the int8 weight alone (1 + 4/32 bytes a value). fp32 activations here multiply the exact weights
+(``q * scale`` is exact in fp32: 8 + 11 significant bits); bf16 activations multiply them rounded to
+bf16 where this CPU has bf16 matmul kernels, else in fp32 (as `engine.quant.UpcastLinear`), the
+result rounded to bf16.
 
 Invariants: ``q`` is int8 ``[out, in]``, ``scale`` fp32 ``[out, in // group]`` with ``in % group
 == 0``; fused weights (qkv, gate_up) are their parts' rows stacked, each row with its own groups

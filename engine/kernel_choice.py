@@ -8,8 +8,8 @@ counts: dense fp32/bf16 where oneDNN can prepack the dtype, `PackedLinear`'s ``"
 (``F.linear``) and ``"upcast"`` (`UpcastLinear`: many rows in fp32); int8, ``"int8"``
 (`Int8Linear`); and in each case ``"native"`` (`engine.native_linear`, the C++ matrix-vector
 kernel for few rows around the plain, upcast or int8 kernel) where it builds. A class holding
-group-quantized weights (a GGUF's Q8_0, `engine.group_int8`) has one kernel and is not timed:
-``"int8_group"`` (its dense members, if any, ``"int8"``). Why measure: the
+group-quantized weights (a GGUF's Q8_0, `engine.group_int8`) is not timed: ``"native"`` over
+``"int8_group"`` where the C++ kernel builds, else ``"int8_group"`` (a dense member: ``"int8"``). Why measure: the
 fastest few-row kernel differs between CPUs (BLAS gemv on plain weights, oneDNN's prepacked
 weights with or without AMX, or the C++ kernel, depending on the vector units), and decode at small
 batches is where a step's time is the weight read.
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.group_int8 import GroupInt8Linear, GroupQuantized, Weight
-from engine.native_linear import NativeLinear, native_linear_error
+from engine.native_linear import NativeLinear, native_applies, native_linear_error
 from engine.quant import Linear, PackedLinear, UpcastLinear, make_linear, onednn_applies
 
 LINEAR_KERNELS = ("auto", "packed", "plain", "native")
@@ -198,6 +198,25 @@ def pick(ms: Mapping[str, Mapping[int, float]], margin: float) -> str:
     return best if ratio(best) < 1.0 - margin else default
 
 
+def _group_linears(name: str, pairs: Sequence[tuple[Weight, torch.Tensor | None]],
+                   mode: str) -> tuple[list[Linear], KernelChoice]:
+    """A class holding group-quantized weights: `GroupInt8Linear`s (`Int8Linear` for a dense member),
+    each wrapped in the C++ kernel up to its most rows where it builds (untimed: the torch kernel
+    dequantizes the whole weight on every call, which decode rows cannot win back)."""
+    out_f, in_f = pairs[0][0].shape
+    kernels = [GroupInt8Linear(w, b) if isinstance(w, GroupQuantized) else make_linear(w, b, quantization="int8")
+               for w, b in pairs]
+    cpu = all(k.weight.device.type == "cpu" for k in kernels)
+    if mode == "native" and (not cpu or native_linear_error() is not None):
+        why = native_linear_error() or "the weights are not on the CPU"
+        raise RuntimeError(f"linear_kernels='native' cannot run here: {why}")
+    if not cpu or native_linear_error() is not None or not all(native_applies(k) for k in kernels):
+        return kernels, KernelChoice(name, out_f, in_f, len(pairs), "int8_group")
+    return ([NativeLinear(k) for k in kernels],
+            KernelChoice(name, out_f, in_f, len(pairs), "native", native_max_rows=NativeLinear.MAX_ROWS,
+                         wraps="int8_group"))
+
+
 def build_linears(
     name: str,
     weights: Sequence[Weight],
@@ -213,13 +232,8 @@ def build_linears(
         raise ValueError(f"unknown linear_kernels {mode!r}; expected one of {LINEAR_KERNELS}")
     pairs = list(zip(weights, biases, strict=True))
     out_f, in_f = weights[0].shape
-    if any(isinstance(w, GroupQuantized) for w in weights):  # Q8_0 weights as the file has them: one kernel
-        if mode == "native":
-            raise RuntimeError("linear_kernels='native' cannot run here: the C++ kernel has no int8 weights "
-                               "with a scale per group of inputs (a GGUF Q8_0 file's)")
-        kernels = [GroupInt8Linear(w, b) if isinstance(w, GroupQuantized) else make_linear(w, b, quantization="int8")
-                   for w, b in pairs]
-        return kernels, KernelChoice(name, out_f, in_f, len(weights), "int8_group")
+    if any(isinstance(w, GroupQuantized) for w in weights):  # Q8_0 weights as the file has them
+        return _group_linears(name, pairs, mode)
     dense = [w for w in weights if isinstance(w, torch.Tensor)]  # (all of them)
     dense_pairs = list(zip(dense, biases, strict=True))
     w0 = dense[0]

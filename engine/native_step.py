@@ -66,6 +66,8 @@ def native_step_error(linears: Sequence[Linear], dtype: torch.dtype) -> str | No
         return f"activations in {dtype}: the step takes fp32 or bf16"
     if not all(isinstance(k, NativeLinear) for k in linears):
         return "not every linear layer runs the native kernel (engine.kernel_choice picked another)"
+    if any(isinstance(k, NativeLinear) and k.group for k in linears):
+        return "int8 weights with a scale per group of inputs (a GGUF's Q8_0) run layer by layer"
     return unavailable_reason(load)
 
 

@@ -1,7 +1,7 @@
 """GGUF → Hugging Face conversion, against tiny transformers models written the way llama.cpp writes them.
 
-Oracles: the source model's own tensors and logits (the GGUF is written here with llama.cpp's q/k
-permutation and name table, restated independently of `engine.gguf_loader`), gguf's quantize→dequantize
+Oracles: the source model's own tensors and logits (the GGUF is written by `tests.support.gguf_files` with
+llama.cpp's q/k permutation and name table, restated independently of `engine.gguf_loader`), gguf's quantize→dequantize
 round trip for quantized types, a hand-derived BPE tokenization, and the bundled model answering a
 factual question.
 """
