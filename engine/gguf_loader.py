@@ -17,8 +17,9 @@ Invariants:
   written as its int8 values ``X.weight [out, in]`` and its blocks' fp16 scales
   ``X.weight_scale [out, in / 32]``, exactly the file's numbers (`engine.weights` dequantizes them,
   or keeps them for the int8 kernel, `engine.group_int8`); such a folder is pdserve's, not one
-  transformers loads. Every other tensor keeps the fp32 gguf's dequantizer gives (so F16 / BF16 /
-  Q4_1 files, the bundled model among them, convert as they always did).
+  transformers loads. F16 and BF16 tensors are written as stored (``config.json``'s ``torch_dtype``
+  says so where every dense matrix has that dtype). Every other tensor keeps the fp32 gguf's
+  dequantizer gives (so Q4_0 / Q4_1 / Q5 files, the bundled model among them, convert as they did).
 - Memory: the GGUF file is memory-mapped and ``model.safetensors`` written one tensor at a time
   (`engine.safetensors_stream`), so a conversion holds the mapped file and one tensor, never the
   whole converted model.
@@ -74,6 +75,8 @@ SUPPORTED_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0,
                              QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K})
 #: Dequantized to bf16 (the K-quants); a 7B Q4_K_M file becomes ~14 GB, not ~28 GB of fp32.
 BF16_TYPES = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K})
+#: Written as the file stores them (their bytes copied): no fp32 copy twice the file's size.
+STORED_TYPES = {QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -138,7 +141,8 @@ def _open(path: Path) -> GGUFReader:
             f"{path}: not a valid GGUF file, or truncated ({type(e).__name__}: {e})") from None
 
 
-def _hf_config(meta: _Meta, arch: str, n_vocab: int, tied: bool, has_qkv_bias: bool) -> dict[str, Any]:
+def _hf_config(meta: _Meta, arch: str, n_vocab: int, tied: bool, has_qkv_bias: bool,
+               dtype: str) -> dict[str, Any]:
     n_head = int(meta.get(f"{arch}.attention.head_count"))
     hidden = int(meta.get(f"{arch}.embedding_length"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_head))
@@ -157,7 +161,7 @@ def _hf_config(meta: _Meta, arch: str, n_vocab: int, tied: bool, has_qkv_bias: b
         "max_position_embeddings": int(meta.get(f"{arch}.context_length")),
         "tie_word_embeddings": tied, "bos_token_id": meta.get("tokenizer.ggml.bos_token_id", None),
         "eos_token_id": eos, "pad_token_id": meta.get("tokenizer.ggml.padding_token_id", None),
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
     }
     if arch == "llama":
         cfg.update(attention_bias=has_qkv_bias, mlp_bias=False)
@@ -186,12 +190,14 @@ def _specs(t: ReaderTensor, hf_name: str, source: Path) -> list[TensorSpec]:
         block = GGML_QUANT_SIZES[QT.Q8_0][0]
         return [TensorSpec(hf_name, torch.int8, shape),
                 TensorSpec(hf_name + "_scale", torch.float16, (rows, cols // block))]
+    if qtype in STORED_TYPES:
+        return [TensorSpec(hf_name, STORED_TYPES[qtype], shape)]
     return [TensorSpec(hf_name, torch.bfloat16 if qtype in BF16_TYPES else torch.float32, shape)]
 
 
 def _tensors(t: ReaderTensor, source: Path) -> list[torch.Tensor]:
     """The tensor as `_specs` says, in torch's shape order: Q8_0 as (int8 values, fp16 scales) read
-    straight from its blocks; else dequantized, bf16 for `BF16_TYPES`, else fp32."""
+    straight from its blocks, F16 / BF16 as stored; else dequantized, bf16 for `BF16_TYPES`, else fp32."""
     qtype = QT(t.tensor_type)
     shape = _shape(t)
     try:
@@ -201,6 +207,9 @@ def _tensors(t: ReaderTensor, source: Path) -> list[torch.Tensor]:
             scale = raw[:, :2].copy().view(np.float16).reshape(shape[0], shape[1] // block)
             q = raw[:, 2:].copy().view(np.int8).reshape(shape)
             return [torch.from_numpy(q), torch.from_numpy(scale)]
+        if qtype in STORED_TYPES:  # the bytes as they are (gguf gives F16 as float16, BF16 as raw bytes)
+            data = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1).copy()
+            return [torch.from_numpy(data).view(STORED_TYPES[qtype]).reshape(shape)]
         arr = np.asarray(dequantize(t.data, qtype), dtype=np.float32).reshape(shape)
     except ValueError as e:
         raise ModelLoadError(f"{source}: tensor {t.name!r} ({qtype.name}, {shape}) is damaged: {e}") from None
@@ -293,7 +302,11 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
             raise ModelLoadError(f"{gguf_path}: no token_embd.weight tensor")
         n_vocab = shapes["model.embed_tokens.weight"][0]
         has_bias = "model.layers.0.self_attn.q_proj.bias" in shapes
-        config = _hf_config(meta, arch, n_vocab, tied="lm_head.weight" not in shapes, has_qkv_bias=has_bias)
+        matrices = {s.dtype for s in specs if len(s.shape) == 2 and s.dtype != torch.int8 and
+                    not s.name.endswith("_scale")}  # the dense weights' dtype, where they share one
+        dtype = str(matrices.pop()).removeprefix("torch.") if len(matrices) == 1 else "float32"
+        config = _hf_config(meta, arch, n_vocab, tied="lm_head.weight" not in shapes, has_qkv_bias=has_bias,
+                            dtype=dtype)
         with SafetensorsStream(tmp / "model.safetensors", specs, metadata={"format": "pt"}) as out:
             for t, hf_name in tqdm(plan, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress):
                 parts = _tensors(t, gguf_path)

@@ -28,6 +28,11 @@ from engine.tokenizer import Tokenizer
 from tests.support.gguf_files import TOKENS, llama_cpp_permute, quantized, tiny_model, write_gguf
 
 
+def linears_q8(qtype: QT, src: dict[str, torch.Tensor]) -> list[str]:
+    """The tensors a Q8_0 file's conversion keeps as int8 values + scales: its linear weights."""
+    return [k for k, v in src.items() if qtype == QT.Q8_0 and v.ndim == 2 and k != "model.embed_tokens.weight"]
+
+
 def roundtrip(t: torch.Tensor, qtype: QT) -> torch.Tensor:
     if t.ndim == 1 or qtype == QT.F32:
         return t
@@ -46,7 +51,7 @@ def test_tensors_match_source(tmp_path: Path, family: str, tied: bool, qtype: QT
     ours = load_file(out / "model.safetensors")
     src = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     if qtype == QT.Q8_0:  # linear weights: the file's int8 values and fp16 block scales, as stored
-        linears = [k for k, v in src.items() if v.ndim == 2 and k != "model.embed_tokens.weight"]
+        linears = linears_q8(qtype, src)
         assert set(ours) == set(src) | {k + "_scale" for k in linears}
         for name in linears:
             q, scale = ours[name], ours.pop(name + "_scale")
@@ -54,15 +59,18 @@ def test_tensors_match_source(tmp_path: Path, family: str, tied: bool, qtype: QT
             assert scale.shape == (q.shape[0], q.shape[1] // 32)
             ours[name] = q.float() * scale.float().repeat_interleave(32, dim=1)
     assert set(ours) == set(src)
+    stored = {QT.F16: torch.float16, QT.BF16: torch.bfloat16}.get(qtype, torch.float32)  # F16, BF16 as stored
     for name, t in src.items():
-        assert ours[name].dtype == torch.float32 and ours[name].shape == t.shape, name
-        assert torch.equal(ours[name], roundtrip(t, qtype)), name
+        want_dtype = stored if t.ndim == 2 and name not in linears_q8(qtype, src) else torch.float32
+        assert ours[name].dtype == want_dtype and ours[name].shape == t.shape, name
+        assert torch.equal(ours[name].float(), roundtrip(t, qtype)), name
         if qtype == QT.F32:
             assert torch.equal(ours[name], t), name
         elif qtype == QT.Q8_0 and t.ndim == 2:  # |error| <= half a step (amax/127) + fp16 scale rounding
             bound = t.abs().amax(dim=1, keepdim=True) / 127 * 0.6
             assert ((ours[name] - t).abs() <= bound).all(), name
     cfg = ModelConfig.from_dir(out)
+    assert cfg.checkpoint_dtype == stored  # torch_dtype: the dense matrices' dtype
     shape = (cfg.family, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     assert shape == (family, 2, 4, 2, 16)
     assert cfg.tie_word_embeddings is tied and cfg.attention_bias is (family == "qwen2")
