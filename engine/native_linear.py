@@ -5,7 +5,7 @@ and `NativeLinear`, a kernel with `engine.quant.Linear`'s interface that runs up
 rows (decode batches) through the C++ kernel and more rows (prefill) through the kernel it wraps,
 over the same plain weight (fp32, bf16, the int8 weight + scales of an `Int8Linear`, or the int8
 weight + group scales of a `GroupInt8Linear`, whose RMSNorm gain it applies to the normed rows:
-``csrc/small_linear_group.h``; such kernels run layer by layer, not in `engine.native_step`).
+``csrc/small_linear_group.h``).
 
 Why: a decode step at small batches is the weight read, and the eager ops around each matrix-vector
 product cost a dispatcher call each; torch's kernels do not reach the memory bandwidth there on every
@@ -128,6 +128,11 @@ class NativeLinear(Linear):
         """What the kernel reads: the weight [out, in] (fp32, bf16 or int8) and the fp32 scale and bias
         [out] (None where absent), for callers that run it from C++ (`engine.native_step`)."""
         return self._w, self._scale, self._bias
+
+    def grouping(self) -> tuple[int, torch.Tensor | None]:
+        """For int8 weights with group scales: the inputs per scale and the fp32 gain [in] the RMSNorm
+        prologue applies (or None); (0, None) for every other weight."""
+        return self.group, self._gain
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in] → [T, out] (+ residual [T, out])."""

@@ -113,3 +113,29 @@ def test_q8_0_gguf_loads_into_int8_kernels_from_the_yaml(tmp_path: Path, family:
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     got, want = (e.runner.decode([DecodeSeq(ids[0], 40, blocks)]) for e in (q8, ref))
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_0_decode_step_runs_as_one_native_call(tmp_path: Path, dtype: torch.dtype) -> None:
+    """The one-call native step over the group-quantized weights equals the per-layer native path bit
+    for bit (logits and cache writes), as it does for dense and per-row int8 weights."""
+    write_gguf(tmp_path / "m.gguf", tiny_model("llama", tied=False), QT.Q8_0)
+    engines = [Engine.load(str(tmp_path / "m.gguf"), EngineConfig(dtype=str(dtype).removeprefix("torch."),
+                                                                   quantization="int8", decode_attention="native"),
+                           cache_dir=tmp_path / "cache") for _ in range(2)]
+    one_call, per_layer = (e.runner for e in engines)
+    assert one_call.model.native_step is not None, one_call.model.native_step_error
+    per_layer.model.native_step = None
+    ids = torch.randint(3, len(TOKENS), (21,), generator=torch.Generator().manual_seed(2)).tolist()
+    tables = [[5, 9], [3, 7]]
+    for r in (one_call, per_layer):
+        r.prefill([PrefillChunk(ids, 0, tables[0]), PrefillChunk(ids[:9], 0, tables[1])])
+    tok, lens = [7, 8], [21, 9]
+    for _ in range(4):
+        got, want = (r.decode([DecodeSeq(t, n, tb) for t, n, tb in zip(tok, lens, tables, strict=True)])
+                     for r in (one_call, per_layer))
+        assert torch.equal(got, want)
+        tok, lens = got.argmax(-1).tolist(), [n + 1 for n in lens]
+    for a, b in zip([*one_call.cache.k, *one_call.cache.v], [*per_layer.cache.k, *per_layer.cache.v], strict=True):
+        assert torch.equal(a, b)
