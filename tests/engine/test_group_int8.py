@@ -55,22 +55,37 @@ def test_kernel_multiplies_by_the_files_weights(rows: int) -> None:
 
 
 @needs_cxx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("out_features", [80, 83])  # 83: a thread's range ends in 1 or 3 rows
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 64])
-def test_native_kernel_computes_what_the_torch_kernel_does(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64])
+def test_native_kernel_computes_what_the_torch_kernel_does(dtype: torch.dtype, rows: int, out_features: int,
+                                                           threads: int) -> None:
     """The C++ kernel over the same int8 values and group scales (and gain, bias, residual, RMSNorm and
-    GLU prologues), up to its int16 rounding of the activations (|dy| <= sum |w| * max |x| / 65534)."""
+    GLU prologues), up to its int16 rounding of the activations: |dy| <= sum |w| * max |x| / 65534 in
+    fp32 (bf16 adds its own rounding of the output)."""
     g = torch.Generator().manual_seed(rows)
-    w, bias, gain = torch.randn(80, 96, generator=g), torch.randn(80, generator=g), torch.randn(96, generator=g)
+    n = out_features
+    w, bias, gain = torch.randn(n, 96, generator=g), torch.randn(n, generator=g), torch.randn(96, generator=g)
     base = GroupInt8Linear(q8_0(w).with_gain(gain), bias.to(dtype))
     native = NativeLinear(base)
-    x, res = torch.randn(rows, 96, generator=g).to(dtype), torch.randn(rows, 80, generator=g).to(dtype)
+    x, res = torch.randn(rows, 96, generator=g).to(dtype), torch.randn(rows, n, generator=g).to(dtype)
     gate_up = torch.randn(rows, 192, generator=g).to(dtype)
-    atol, rtol = (2e-2, 1e-3) if dtype == torch.float32 else (0.15, 2e-2)
-    for run in (lambda k: k(x, residual=res), lambda k: k.normed(x, 1e-5), lambda k: k.glu(gate_up, residual=res)):
-        got, want = run(native), run(base)
-        assert got.dtype == dtype
-        torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+    w_abs = base.packed.dequantize().abs().sum(1)  # [out]: sum |w|
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for run, xin in ((lambda k: k(x, residual=res), x), (lambda k: k.normed(x, 1e-5), None),
+                         (lambda k: k.glu(gate_up, residual=res), None)):
+            got, want = run(native).float(), run(base).float()
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            if dtype == torch.float32 and xin is not None:
+                bound = w_abs * xin.abs().amax(1, keepdim=True) / 65534  # [rows, out]
+                assert bool(((got - want).abs() <= bound + 1e-5).all())
+            atol, rtol = (2e-2, 1e-3) if dtype == torch.float32 else (0.15, 2e-2)
+            torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_scale_shape_that_is_no_grouping_is_refused() -> None:
