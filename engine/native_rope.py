@@ -78,7 +78,7 @@ class RopeStore:
             lo, hi = (int(x) for x in torch.aminmax(rows))
             if lo < 0 or hi >= cos.shape[0]:
                 raise ValueError(f"positions must lie in [0, {cos.shape[0]}), got [{lo}, {hi}]")
-            if int(positions.min()) < 0:
+            if rows is not positions and int(positions.min()) < 0:  # where rows are the positions: checked above
                 raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
             lo, hi = (int(x) for x in torch.aminmax(slots))
             if lo < 0 or hi >= cache_slots:
