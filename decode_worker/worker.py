@@ -270,7 +270,10 @@ class DecodeWorker:
         assert seq is not None and st.next_token is not None
         if st.decode_started is None:
             st.decode_started = time.monotonic()
-        return DecodeSeq(st.next_token, seq.num_tokens, seq.block_ids)
+        history = None  # the tokens before this one, where the step recomputes the sequence (Phi-3 longrope)
+        if seq.num_tokens == self.engine.model_config.rope_recompute_position:
+            history = (*st.req.prompt_token_ids, *st.generated[:-1])
+        return DecodeSeq(st.next_token, seq.num_tokens, seq.block_ids, history)
 
     def _execute_swaps_and_admissions(self, out: SchedulerOutput) -> None:
         cache = self.engine.cache
@@ -323,7 +326,8 @@ class DecodeWorker:
             seq = self.scheduler.get(st.request_id)
             assert seq is not None
             prompt = st.req.prompt_token_ids
-            chunks.append(PrefillChunk(prompt[st.prefilled : st.prefilled + n], st.prefilled, seq.block_ids))
+            chunks.append(PrefillChunk(prompt[st.prefilled : st.prefilled + n], st.prefilled, seq.block_ids,
+                                       prompt_len=len(prompt)))
             streams.append(st)
         return chunks, streams
 

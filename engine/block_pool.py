@@ -11,8 +11,11 @@ Invariants (checked by `BlockPool.check_integrity`):
 - ``num_free_blocks`` = free list + cached set: both can be handed out by `allocate`, which takes
   the plain free list first and evicts cached blocks (LRU) only when it is empty.
 
-Prefix hits are verified, never trusted: the block found for a hash must hold the same tokens and
-its recorded parent must be the very block matched just before it. Each registration gets a fresh
+Prefix hits are verified, never trusted: the block found for a hash must hold the same tokens, its
+recorded parent must be the very block matched just before it, and its chain's salt the one asked
+for. The salt says what besides the tokens a block's KV depends on (`ModelConfig.rope_table_key`: a
+length-dependent RoPE rotates a prompt by its whole length's table), so chains of different salts
+never share a block. Each registration gets a fresh
 serial number, so a parent that was evicted and reused no longer matches. A hash collision costs
 a cache miss, never a wrong block. Every operation is O(1) per block named; only
 `check_integrity` and `reset_prefix_cache` scan the pool.
@@ -42,8 +45,8 @@ def hash_block(parent_hash: int, tokens: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def _iter_hashes(token_ids: Sequence[int], block_size: int) -> Iterator[tuple[int, tuple[int, ...]]]:
-    parent = ROOT_HASH
+def _iter_hashes(token_ids: Sequence[int], block_size: int, salt: int = 0) -> Iterator[tuple[int, tuple[int, ...]]]:
+    parent = ROOT_HASH if salt == 0 else hash_block(ROOT_HASH, (salt,))
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         chunk = tuple(token_ids[start : start + block_size])
         parent = hash_block(parent, chunk)
@@ -65,6 +68,7 @@ class Block:
     token_ids: tuple[int, ...] = ()
     serial: int | None = None  # unique per registration: identifies this content
     parent: int | None = None  # serial of the block before it in the chain (_ROOT_SERIAL for the first)
+    salt: int = 0  # its chain's salt
 
 
 class BlockPool:
@@ -145,8 +149,9 @@ class BlockPool:
         for bid in block_ids:
             self.blocks[bid].ref_count += 1
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Longest run of cached full blocks holding ``token_ids[:k * block_size]``; each gets a reference.
+    def match_prefix(self, token_ids: Sequence[int], salt: int = 0) -> list[int]:
+        """Longest run of cached full blocks holding ``token_ids[:k * block_size]``, registered under
+        ``salt``; each gets a reference.
 
         Callers pass only what they may reuse: ``prompt[:-1]``, so a block-aligned prompt still
         leaves at least one token to compute (its logits give the next token). Returns [] when
@@ -156,12 +161,12 @@ class BlockPool:
             return []
         hits: list[int] = []
         parent = _ROOT_SERIAL
-        for h, chunk in _iter_hashes(token_ids, self.block_size):
+        for h, chunk in _iter_hashes(token_ids, self.block_size, salt):
             bid = self._by_hash.get(h)
             if bid is None:
                 break
             block = self.blocks[bid]
-            if block.token_ids != chunk or block.parent != parent:
+            if block.token_ids != chunk or block.parent != parent or block.salt != salt:
                 break  # hash collision, or the same tokens after a different prefix
             assert block.serial is not None
             parent = block.serial
@@ -172,8 +177,9 @@ class BlockPool:
             self.blocks[bid].ref_count += 1
         return hits
 
-    def commit_full_blocks(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
-        """Register the full blocks of a sequence whose KV for ``token_ids`` is written.
+    def commit_full_blocks(self, block_ids: Sequence[int], token_ids: Sequence[int], salt: int = 0) -> None:
+        """Register the full blocks of a sequence whose KV for ``token_ids`` is written, under ``salt``
+        (what `match_prefix` must be asked with to find them).
 
         Block ``i`` holds tokens ``[i*bs, (i+1)*bs)``; a trailing partial block is left alone, so
         this is called again as the sequence grows (already registered blocks are checked, not redone).
@@ -189,7 +195,7 @@ class BlockPool:
             raise ValueError("repeated block id in one sequence")
         chain: list[tuple[int, tuple[int, ...]]] = []
         if self.enable_prefix_cache:
-            chain = list(_iter_hashes(token_ids[: n_full * self.block_size], self.block_size))
+            chain = list(_iter_hashes(token_ids[: n_full * self.block_size], self.block_size, salt))
         for i, bid in enumerate(block_ids[:n_full]):
             self._check_id(bid)
             block = self.blocks[bid]
@@ -205,7 +211,7 @@ class BlockPool:
             owner_id = self._by_hash.setdefault(h, bid)
             if owner_id == bid:
                 if block.hash is None:
-                    block.hash, block.token_ids, block.serial = h, chunk, self._next_serial
+                    block.hash, block.token_ids, block.serial, block.salt = h, chunk, self._next_serial, salt
                     self._next_serial += 1
                 # Set, or for a block registered earlier whose recorded parent has since been
                 # evicted, relinked to the parent found now (which holds the same prefix).
@@ -213,7 +219,7 @@ class BlockPool:
                 owner = block
             else:
                 owner = self.blocks[owner_id]
-                if (owner.token_ids, owner.parent) != (chunk, parent):
+                if (owner.token_ids, owner.parent, owner.salt) != (chunk, parent, salt):
                     return  # collision with other content: nothing after this block can be matched
             assert owner.serial is not None
             parent = owner.serial
@@ -261,4 +267,4 @@ class BlockPool:
         if not keep_map:
             assert block.hash is not None
             del self._by_hash[block.hash]
-        block.hash, block.token_ids, block.serial, block.parent = None, (), None, None
+        block.hash, block.token_ids, block.serial, block.parent, block.salt = None, (), None, None, 0

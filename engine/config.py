@@ -105,7 +105,7 @@ class ModelConfig:
     Gemma 3). ``query_pre_attn_scalar``: the attention scale is its inverse square root (Gemma), else
     ``head_dim``'s. ``attn_softcap`` / ``final_softcap``: attention scores / logits pass through
     ``cap * tanh(x / cap)`` (Gemma 2). ``sliding_rope``: the windowed layers' RoPE where it is not
-    the other layers' (``rope_theta``, ``rope_scaling``; Gemma 3's local base).
+    the other layers' (``rope_theta``, ``rope_scaling``, ``partial_rotary_factor``; Gemma 3's local base).
     """
 
     family: str  # a key of `engine.families.FAMILIES`
@@ -132,6 +132,7 @@ class ModelConfig:
     final_softcap: float | None = None
     sliding_rope: RopeParams | None = None
     checkpoint_dtype: torch.dtype | None = None  # what the weights are stored in (`checkpoint_dtype`)
+    partial_rotary_factor: float = 1.0  # the full-attention layers' share of each head that RoPE rotates
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -156,7 +157,30 @@ class ModelConfig:
         """The RoPE parameters of layer ``layer``."""
         if self.sliding_rope is not None and layer in self.window_layers:
             return self.sliding_rope
-        return RopeParams(self.rope_theta, self.rope_scaling)
+        return RopeParams(self.rope_theta, self.rope_scaling, self.partial_rotary_factor)
+
+    def rope_table_key(self, seq_len: int) -> int:
+        """The RoPE table a forward call of ``seq_len`` tokens uses (`RopeParams.table_key`; only the
+        full-attention layers' RoPE may depend on the length): a prompt's tokens' keys depend on it,
+        so it salts the prefix cache's hash chain."""
+        return RopeParams(self.rope_theta, self.rope_scaling).table_key(seq_len)
+
+    @property
+    def rope_recompute_position(self) -> int | None:
+        """The decode position at which a sequence is recomputed whole instead of decoded (None: never):
+        longrope's ``original_max_position_embeddings``, where transformers' Phi-3 generation, first
+        past it, drops its cache and runs every token again with the long factors."""
+        s = self.rope_scaling
+        return s.original_max_position_embeddings if s is not None and s.rope_type == "longrope" else None
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence this model is served for: ``max_position_embeddings``, times ``factor``
+        for dynamic NTK RoPE, whose base grows past it (vLLM's limit for it)."""
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "dynamic":
+            return int(self.max_position_embeddings * s.factor)
+        return self.max_position_embeddings
 
     @property
     def features(self) -> Family:
@@ -213,7 +237,7 @@ class ModelConfig:
             max_positions = int(cfg.get("max_position_embeddings", 2048))
             _refuse_unsupported(cfg, family, source)
             window, window_layers = _windows(cfg, family, num_layers, source)
-            full_rope, sliding_rope = ropes(cfg, family, max_positions, source)
+            full_rope, sliding_rope = ropes(cfg, family, max_positions, head_dim, source)
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             gemma = family.gemma_attention
@@ -242,6 +266,7 @@ class ModelConfig:
                 final_softcap=_optional_float(cfg.get("final_logit_softcapping")) if gemma else None,
                 sliding_rope=sliding_rope if window_layers and sliding_rope != full_rope else None,
                 checkpoint_dtype=checkpoint_dtype(cfg),
+                partial_rotary_factor=full_rope.partial_rotary_factor,
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: config is missing required field {e.args[0]!r}") from None
@@ -334,7 +359,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 1024
     max_num_seqs: int = 64
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_model_len: int | None = None  # defaults to the model's `ModelConfig.max_context`
     enable_prefix_cache: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cpu_affinity: tuple[int, ...] = ()  # pin this process to these cores (benchmarks on small machines)

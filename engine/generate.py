@@ -38,8 +38,10 @@ def generate(
         first = sample(logits, [state])
         out, out_lp = [first.token_ids[0]], [first.logprobs[0]]
         pos = len(prompt_ids)
+        redo = engine.model_config.rope_recompute_position
         while len(out) < params.max_tokens and not params.is_stop(out[-1], eos):
-            logits = engine.runner.decode([DecodeSeq(out[-1], pos, blocks)])
+            history = [*prompt_ids, *out[:-1]] if pos == redo else None
+            logits = engine.runner.decode([DecodeSeq(out[-1], pos, blocks, history)])
             step = sample(logits, [state])
             out.append(step.token_ids[0])
             out_lp.append(step.logprobs[0])

@@ -26,10 +26,12 @@ from engine.weights import LayerWeights
 @dataclass
 class Rotation:
     """One forward's RoPE, one entry per table of `LlamaModel.ropes` (a layer's is ``LayerKernels.rope``):
-    the native stores, or the eager fast path's gathered (cos, signed sin) [T, 1, D]; empty where unused."""
+    the native stores, or the eager fast path's gathered (cos, signed sin) [T, 1, R]; empty where unused.
+    ``lens`` [T]: each token's forward-call length, for a length-dependent RoPE (else None)."""
 
     tables: list[tuple[torch.Tensor, torch.Tensor]]
     stores: list[RopeStore | None]
+    lens: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gain_in_fp32: bool = False) -> torch.Tensor:

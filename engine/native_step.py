@@ -50,10 +50,10 @@ class _Layer(ctypes.Structure):
 
 class _Args(ctypes.Structure):
     _fields_ = [
-        ("B", _I), ("num_layers", _I), ("H", _I), ("KV", _I), ("D", _I), ("BS", _I), ("NB", _I), ("hidden", _I),
-        ("nthreads", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
-        ("lm_head", _Lin), ("cos", _P), ("sin", _P), ("pos", _P), ("slots", _P), ("table", _P), ("lens", _P),
-        ("h", _P), ("logits", _P),
+        ("B", _I), ("num_layers", _I), ("H", _I), ("KV", _I), ("D", _I), ("R", _I), ("BS", _I), ("NB", _I),
+        ("hidden", _I), ("nthreads", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("layers", ctypes.POINTER(_Layer)), ("lm_head", _Lin), ("cos", _P), ("sin", _P), ("pos", _P), ("slots", _P),
+        ("table", _P), ("lens", _P), ("h", _P), ("logits", _P),
     ]
 
 
@@ -142,10 +142,10 @@ class NativeDecodeStep:
                              f"{tuple(h.shape)}")
         if not 1 <= b <= self.max_rows:
             raise ValueError(f"the native step takes 1..{self.max_rows} sequences, got {b}")
-        if (store.positions.shape[0], store.num_heads, store.num_kv_heads, store.cos.shape[1]) != \
+        if (store.positions.shape[0], store.num_heads, store.num_kv_heads, store.head_dim) != \
                 (b, self.heads, self.kv_heads, self.head_dim):
             raise ValueError(f"the rope store is for {store.positions.shape[0]} tokens of {store.num_heads}/"
-                             f"{store.num_kv_heads} heads of {store.cos.shape[1]}, the step has {b} of "
+                             f"{store.num_kv_heads} heads of {store.head_dim}, the step has {b} of "
                              f"{self.heads}/{self.kv_heads} of {self.head_dim}")
         layers = self._layer_array(k_cache, v_cache)
         bs = k_cache[0].shape[1]
@@ -159,9 +159,9 @@ class NativeDecodeStep:
         if int(lens.max()) > table.shape[1] * bs:
             raise ValueError(f"a position lies past its block table ({table.shape[1]} blocks of {bs})")
         logits = torch.empty(b, self.vocab, dtype=self.dtype)  # [B, vocab]
-        args = _Args(b, len(self._layers), self.heads, self.kv_heads, self.head_dim, bs, table.shape[1], self.hidden,
-                     torch.get_num_threads(), self.eps, self.scale, layers, self._lm_head, store.cos.data_ptr(),
-                     store.sin_signed.data_ptr(), store.positions.data_ptr(), store.slots.data_ptr(),
+        args = _Args(b, len(self._layers), self.heads, self.kv_heads, self.head_dim, store.cos.shape[1], bs,
+                     table.shape[1], self.hidden, torch.get_num_threads(), self.eps, self.scale, layers, self._lm_head,
+                     store.cos.data_ptr(), store.sin_signed.data_ptr(), store.rows.data_ptr(), store.slots.data_ptr(),
                      table.data_ptr(), lens.data_ptr(), h.data_ptr(), logits.data_ptr())
         self._fn(ctypes.byref(args))
         return logits

@@ -5,8 +5,9 @@ Life cycle of a request (each name is a queue or a state in this file):
 1. ``prefill(req)`` checks the length and the queue bound, then appends a `_Job` to ``waiting``.
 2. The step loop admits jobs from ``waiting`` in FIFO order, while the admitted ones cannot fill
    the step's budget. On admission a job matches its prompt against the prefix cache
-   (``pool.match_prefix``; not a job that asks for prompt log-probs, which needs every position's
-   logits) and reserves blocks for the rest of the prompt; a job that does not fit
+   (``pool.match_prefix``, salted by the prompt's RoPE table: `Engine.prefix_salt`; not a job that
+   asks for prompt log-probs, which needs every position's logits) and reserves blocks for the rest
+   of the prompt; a job that does not fit
    waits at the head (blocks come back as the outbox drains) — FIFO, so a long prompt is never
    overtaken forever.
 3. Each step packs chunks of the admitted jobs into one forward under ``max_batch_tokens``
@@ -181,7 +182,7 @@ class PrefillWorker:
                 break
             if not job.blocks:
                 reuse = self.engine.config.enable_prefix_cache and job.req.prompt_logprobs is None
-                hit = pool.match_prefix(job.prompt[:-1]) if reuse else []
+                hit = pool.match_prefix(job.prompt[:-1], self.engine.prefix_salt(len(job.prompt))) if reuse else []
                 need = self.engine.blocks_for(len(job.prompt)) - len(hit)
                 if not pool.can_allocate(need):
                     pool.free(hit)
@@ -195,7 +196,8 @@ class PrefillWorker:
         for job, n in zip(admitted, grant_tokens([j.remaining for j in admitted], budget, cap), strict=True):
             if n == 0:
                 continue
-            chunks.append(PrefillChunk(job.prompt[job.computed : job.computed + n], job.computed, job.blocks))
+            chunks.append(PrefillChunk(job.prompt[job.computed : job.computed + n], job.computed, job.blocks,
+                                       prompt_len=len(job.prompt)))
             jobs.append(job)
             job.num_chunks += 1
         return chunks, jobs
@@ -206,7 +208,7 @@ class PrefillWorker:
         out = sample(logits_row, [state])  # type: ignore[arg-type]
         token, logprob, top = out.token_ids[0], out.logprobs[0], out.top[0]
         pool = self.engine.pool
-        pool.commit_full_blocks(job.blocks, job.prompt)
+        pool.commit_full_blocks(job.blocks, job.prompt, self.engine.prefix_salt(len(job.prompt)))
         timings = PrefillTimings(
             queue_s=(job.started or job.enqueued) - job.enqueued,
             prefill_s=time.monotonic() - (job.started or job.enqueued),

@@ -68,7 +68,7 @@ class EngineTextCodec:
         from engine.tokenizer import Tokenizer
 
         self._tok = Tokenizer.from_dir(folder)
-        self._max_len = ModelConfig.from_dir(folder).max_position_embeddings
+        self._max_len = ModelConfig.from_dir(folder).max_context
         self._eos = tuple(self._tok.eos_token_ids)
 
     @property

@@ -20,7 +20,7 @@ class RouterConfig:
     mode: str = "disaggregated"  # "disaggregated": prefill then decode; "colocated": decode only
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     public_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")  # reachable without a key
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's `ModelConfig.max_context`
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     # cap when a request sets none (None: the model's max_new_tokens, else the rest of the context)
     default_max_tokens: int | None = None
