@@ -11,6 +11,7 @@ Owns:
   process keeps one per (folder, EOS ids).
 - `compile_grammar`: a spec → a `CompiledGrammar` (a matcher at position 0, copied for each
   sequence), cached per (vocab, spec); what llguidance cannot compile raises `GrammarError`.
+- `load_grammar`: both of the above off the event loop, for the workers before they admit a request.
 - `GrammarMatcher`: one sequence's place in its grammar, advanced token by token by
   `engine.sampling.SamplerState.record`; a process that did not sample the tokens so far (the
   decode replica after token 0 on a prefill replica) rebuilds it by replaying them.
@@ -28,6 +29,7 @@ pad its answer with whitespace until ``max_tokens``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from collections.abc import Sequence
@@ -128,6 +130,21 @@ def compile_grammar(vocab: GrammarVocab, spec: GrammarSpec) -> CompiledGrammar:
     if start.is_error():
         raise GrammarError(_brief(start.get_error()))
     return CompiledGrammar(spec, vocab, start)
+
+
+async def load_grammar(spec: GrammarSpec | None, folder: str | Path, eos_ids: Sequence[int]) -> GrammarVocab | None:
+    """A worker's step before it builds a request's `SamplerState`: the vocabulary, with ``spec``
+    compiled into the cache, both built in a thread so a slow build does not hold up the event loop
+    (and the steps of every sequence in flight). None without a spec; raises `GrammarError`."""
+    if spec is None:
+        return None
+
+    def build() -> GrammarVocab:
+        vocab = grammar_vocab(folder, eos_ids)
+        compile_grammar(vocab, spec)
+        return vocab
+
+    return await asyncio.to_thread(build)
 
 
 class GrammarMatcher:
