@@ -21,7 +21,7 @@ from engine.grammar import GrammarError, GrammarSpec
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 from prefill_worker.types import PrefillRequest
-from tests.support.inprocess_pd import EOS, collect, make_colocated, make_pd
+from tests.support.inprocess_pd import EOS, collect, make_colocated, make_pd, run_both_modes
 from tests.support.models import make_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -62,20 +62,8 @@ async def test_both_modes_match_the_reference_and_validate(chat_path: Path, prom
         if params.grammar == SPEC:  # (a random model's free-form json_object runs to max_tokens)
             assert out.finish_reason == "stop"
             jsonschema.validate(json.loads(tok.decode(out.token_ids)), SCHEMA)
-    pd = make_pd(chat_path)
-    colo = make_colocated(chat_path, chunk=16)
-    for w in (pd.prefill, pd.decode, colo):
-        await w.start()
-    try:
-        got = await asyncio.gather(*(pd.run(f"d{i}", p, s) for i, (p, s) in enumerate(zip(prompts, PARAMS,
-                                                                                             strict=True))))
-        assert [(t, r) for t, r in got] == [(w.token_ids, w.finish_reason) for w in want]
-        got_colo = await asyncio.gather(*(collect(colo, DecodeRequest(f"c{i}", p, s))
-                                          for i, (p, s) in enumerate(zip(prompts, PARAMS, strict=True))))
-        assert [(t, r) for t, r, _ in got_colo] == [(w.token_ids, w.finish_reason) for w in want]
-    finally:
-        for w in (colo, pd.decode, pd.prefill):
-            await w.stop()
+    got, got_colo = await run_both_modes(chat_path, prompts, PARAMS, chunk=16)
+    assert got == got_colo == [(w.token_ids, w.finish_reason) for w in want]
 
 
 async def test_a_rejected_token_ends_only_its_stream_with_an_error(chat_path: Path, prompts: list[tuple[int, ...]],
