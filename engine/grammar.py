@@ -183,21 +183,14 @@ class GrammarMatcher:
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
 
-@functools.cache
-def _executor() -> llg.LLExecutor:
-    return llg.LLExecutor()
-
-
 def allowed_tokens(matchers: list[GrammarMatcher], width: int) -> np.ndarray:
-    """→ [len(matchers), width] bool: which ids each matcher allows next (ids past its vocabulary: none)."""
+    """→ [len(matchers), width] bool: which ids each matcher allows next (ids past its vocabulary: none).
+    Row by row on the calling thread: a step waits on no other thread's wake-up."""
     vocab = matchers[0].vocab
     words = (vocab.size + 31) // 32
     bits = np.zeros((len(matchers), words), dtype=np.int32)  # [b, words]
-    if len(matchers) == 1:
-        matchers[0].fill_mask(bits[0])
-    else:
-        _executor().unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)],
-                                            bits.ctypes.data, words * 4, len(matchers))
+    for m, row in zip(matchers, bits, strict=True):
+        m.fill_mask(row)
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=min(width, vocab.size), bitorder="little")
     if allowed.shape[1] < width:
         allowed = np.pad(allowed, ((0, 0), (0, width - allowed.shape[1])))
@@ -213,6 +206,8 @@ def mask_logits(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> 
         return logits
     live = [m for m in matchers if m is not None and m.live]
     allowed = torch.from_numpy(allowed_tokens(live, logits.shape[1])).to(logits.device)  # [b, V]
+    if len(rows) == logits.shape[0]:  # every row under a grammar: no gather and scatter of rows
+        return logits.masked_fill(~allowed, float("-inf"))
     index = torch.tensor(rows, device=logits.device)
     sub = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))  # [b, V]
     return logits.index_copy(0, index, sub)
