@@ -21,10 +21,10 @@ Owns:
 
 Invariants: a matcher never raises on a token: a rejected token puts it in error (``error`` says
 why), and the worker ends the stream with that error instead of emitting the token. ``done`` (the
-grammar allows nothing more) ends the sequence with finish reason ``stop``. EOS is in the mask only
-where the grammar accepts the output so far. JSON is written with ``", "`` between items and ``": "``
-after keys and no other whitespace (a schema's ``x-guidance`` may say otherwise), so a model cannot
-pad its answer with whitespace until ``max_tokens``.
+grammar allows nothing more) ends the sequence with finish reason ``stop``, ``min_tokens`` or not.
+EOS is in the mask only where the grammar accepts the output so far. JSON is written with ``", "``
+between items and ``": "`` after keys and no other whitespace (a schema's ``x-guidance`` may say
+otherwise), so a model cannot pad its answer with whitespace until ``max_tokens``.
 """
 
 from __future__ import annotations
