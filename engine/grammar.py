@@ -101,7 +101,10 @@ def grammar_vocab(folder: str | Path, eos_ids: Sequence[int]) -> GrammarVocab:
 @functools.lru_cache(maxsize=4)
 def _vocab(folder: str, eos_ids: tuple[int, ...]) -> GrammarVocab:
     text = (Path(folder) / "tokenizer.json").read_text(encoding="utf-8")
-    return GrammarVocab(llg.LLTokenizer(text, eos_token=list(eos_ids) or None))
+    try:
+        return GrammarVocab(llg.LLTokenizer(text, eos_token=list(eos_ids) or None))
+    except Exception as e:  # llguidance raises plain exceptions on a tokenizer it cannot read
+        raise GrammarError(f"llguidance cannot use this model's tokenizer.json: {e}") from None
 
 
 @dataclass(frozen=True, eq=False)
