@@ -61,7 +61,7 @@ from router.fields import account
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_format import DONE, ChatFormatter, CompletionFormatter, Formatter, sse
-from router.prompt import chat_prompt, check_grammar, completion_prompt, echo_text, sampling_for
+from router.prompt import chat_prompt, completion_prompt, echo_text, sampling_for
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,6 +69,7 @@ from router.protocol import (
     ModelCard,
     ModelList,
 )
+from router.response_format import check_grammar
 from router.tokenize import (
     DetokenizeRequest,
     TokenizeChatRequest,

@@ -2,8 +2,7 @@
 
 Owns: `completion_prompt`, `chat_prompt` (the chat template is applied here, in the router) and
 `sampling_for`, which enforces the context bound and fills the sampling settings a request left unset
-from the model's generation config, and the request's grammar (`grammar_for`: ``response_format`` →
-`GrammarSpec`; `check_grammar`: compiled against the model's tokenizer, or a 400).
+from the model's generation config, and the request's grammar (`router.response_format.grammar_for`).
 
 Invariants: a prompt is never empty and fits ``max_model_len`` with room for at least one token;
 ``prompt + max_tokens <= max_model_len`` when the client set ``max_tokens`` (otherwise the
@@ -18,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from engine.grammar import GrammarError, GrammarSpec
 from engine.sampling import SamplingDefaults, SamplingParams
 from router.codec import TextCodec
 from router.errors import bad_request, context_too_long
-from router.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, ResponseFormat
+from router.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from router.response_format import grammar_for
 
 
 def completion_prompt(req: CompletionRequest, codec: TextCodec) -> tuple[int, ...]:
@@ -119,26 +118,6 @@ def sampling_for(
     except ValueError as e:
         raise bad_request(str(e)) from None
 
-
-
-def grammar_for(fmt: ResponseFormat | None) -> GrammarSpec | None:
-    """``response_format`` → the grammar the output must match (``text``: none)."""
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return GrammarSpec("json_object")
-    return GrammarSpec("json_schema", fmt.schema_text or "")
-
-
-async def check_grammar(spec: GrammarSpec | None, codec: TextCodec, param: str = "response_format") -> None:
-    """A grammar llguidance cannot compile against the model's tokenizer is a 400 naming ``param``
-    (the field the schema came from), before any prefill (the pools compile the same spec the same way)."""
-    if spec is None:
-        return
-    try:
-        await codec.compile_grammar(spec)
-    except GrammarError as e:
-        raise bad_request(f"{param}: the schema cannot be enforced: {e}", param=param) from None
 
 
 def _setting(req: GenerationRequest, name: str, defaults: SamplingDefaults | None) -> Any:

@@ -16,7 +16,6 @@ llguidance compiles the schema) is checked by the app.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Literal
@@ -30,6 +29,8 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+
+from router.response_format import ResponseFormat
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -46,48 +47,6 @@ def now() -> int:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")  # include_obfuscation: padding for the wire, not the text
     include_usage: bool = False
-
-
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
-    ``json_schema`` (``json_schema`` holds ``name``, ``schema``: a JSON Schema object, and optional
-    ``description`` / ``strict``; the schema is enforced whether ``strict`` is true or not). Every
-    error names the field itself (the app maps it to ``param: response_format``)."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: str
-    json_schema: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shape(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            raise ValueError("must be an object with a 'type'")
-        kind = data.get("type")
-        if kind not in RESPONSE_FORMATS:
-            raise ValueError(f"type {kind!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}")
-        spec = data.get("json_schema")
-        if kind != "json_schema":
-            if spec is not None:
-                raise ValueError(f"json_schema goes with type 'json_schema', not {kind!r}")
-            return data
-        if not isinstance(spec, dict):
-            raise ValueError("type 'json_schema' needs a json_schema object")
-        if not isinstance(spec.get("name"), str) or not spec["name"]:
-            raise ValueError("json_schema.name is required")
-        if not isinstance(spec.get("schema"), dict):
-            raise ValueError("json_schema.schema is required: a JSON Schema object")
-        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-            raise ValueError("json_schema.strict must be a boolean")
-        return data
-
-    @property
-    def schema_text(self) -> str | None:
-        """The schema's JSON text (``json_schema``), else None."""
-        return None if self.json_schema is None else json.dumps(self.json_schema["schema"])
 
 
 class GenerationRequest(BaseModel):

@@ -19,8 +19,9 @@ from router.codec import TextCodec, load_codec
 from router.config import RouterConfig
 from router.errors import APIError, from_validation_errors
 from router.fields import REFUSED, account
-from router.prompt import check_grammar, grammar_for, sampling_for
+from router.prompt import sampling_for
 from router.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from router.response_format import check_grammar, grammar_for
 from tests.support.pd_fakes import FakeCodec
 
 pytestmark = pytest.mark.timeout(120)
