@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent, merge_events
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling import SamplerState, TopLogprobs
 
 
@@ -36,6 +37,7 @@ class Stream:
     transfer_s: float = 0.0
     transfer_bytes: int = 0
     prefill_s: float = 0.0
+    prompt_scores: PromptLogprobs | None = None  # colocated: the prompt's log-probs so far, when asked
 
     @property
     def request_id(self) -> str:
@@ -66,8 +68,9 @@ class Stream:
         return taken[0] if len(taken) == 1 else merge_events(taken)
 
     def push(self, token_id: int, logprob: float, finish_reason: str | None = None,
-             top: TopLogprobs = ()) -> None:
-        """Emit one token; with a ``finish_reason`` it is the final event."""
+             top: TopLogprobs = (), prompt_logprobs: PromptLogprobs | None = None) -> None:
+        """Emit one token (token 0 with the prompt's log-probs, when asked); with a ``finish_reason``
+        it is the final event."""
         if self.closed:
             return
         lps = (logprob,) if self.req.sampling.logprobs else None
@@ -82,6 +85,7 @@ class Stream:
                 top_logprobs=tops,
                 finish_reason=finish_reason,
                 timings=self.timings() if finish_reason else None,
+                prompt_logprobs=prompt_logprobs,
             )
         )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling import SamplingParams, TopLogprobs
 from kv_transfer.handle import KVHandle
 
@@ -28,6 +29,7 @@ class DecodeRequest:
     first_token_id: int | None = None
     handle: KVHandle | None = None
     arrival_time: float = 0.0
+    prompt_logprobs: int | None = None  # colocated only: the prompt's log-probs, k alternatives each
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,13 @@ class TokenEvent:
     error: str | None = None
     error_code: str | None = None  # with "error": what failed, for callers that can recover (KV_LOST)
     timings: DecodeTimings | None = None  # on the last event
+    prompt_logprobs: PromptLogprobs | None = None  # colocated, with token 0, when the request asks
 
 
 def merge_events(events: list[TokenEvent]) -> TokenEvent:
     """Successive events of one request as one: tokens (and log-probs) in order, the last event's
-    end. Log-probs (and top log-probs) survive only if every event carries them."""
+    end. Log-probs (and top log-probs) survive only if every event carries them; prompt log-probs
+    (on token 0's event alone) survive."""
     last = events[-1]
     lps = [ev.logprobs for ev in events]
     tops = [ev.top_logprobs for ev in events]
@@ -77,4 +81,5 @@ def merge_events(events: list[TokenEvent]) -> TokenEvent:
         error=last.error,
         error_code=last.error_code,
         timings=last.timings,
+        prompt_logprobs=next((ev.prompt_logprobs for ev in events if ev.prompt_logprobs is not None), None),
     )

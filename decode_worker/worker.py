@@ -8,7 +8,8 @@ Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler
 2. The step loop calls ``schedule()``. An admitted sequence has blocks reserved for its prompt KV
    plus the next token and moves to **transferring**: disaggregated, a pull task imports the KV
    from the prefill replica's outbox (`KVImporter`); colocated, the worker prefills the prompt
-   itself, whole or ``prefill_chunk_size`` tokens per step, between decode steps.
+   itself, whole or ``prefill_chunk_size`` tokens per step, between decode steps (scoring the
+   prompt's log-probs chunk by chunk when the request asks; token 0's event carries them).
 3. When the KV is in, the sequence is **running**: every step runs one batched decode over all
    running sequences (the first step feeds token 0), samples, and pushes each new token to its
    stream. Blocks are appended at block boundaries; when they run out the scheduler swaps the
@@ -43,6 +44,7 @@ from engine.errors import QueueFullError
 from engine.grammar import GrammarVocab, load_grammar
 from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens
+from engine.prompt_logprobs import PromptLogprobs, ScoreAsk, check_prompt_logprobs, chunk_ask
 from engine.runner import DecodeSeq, PrefillChunk
 from engine.sampling import SamplerState, TopLogprobs, sample
 from engine.step_loop import StepLoop
@@ -162,6 +164,9 @@ class DecodeWorker:
                 else "disaggregated decode needs a KV handle (prefill first)"
             )
         self.engine.check_length(n_prompt, req.sampling.max_tokens)
+        if req.prompt_logprobs is not None and not self.colocated:
+            raise ValueError("prompt log-probs are computed by the prefill pool, not a disaggregated decode")
+        check_prompt_logprobs(req.prompt_logprobs)
         if req.request_id in self.streams:
             raise ValueError(f"request id {req.request_id!r} is already streaming")
         if self._queued_beyond_free_slots() >= self.config.max_queue:
@@ -235,9 +240,11 @@ class DecodeWorker:
             await self._loop.idle(1.0)
             return
         seqs = [self._decode_seq(st) for st in decode]
+        asks = [chunk_ask(st.req.prompt_token_ids, c.start_pos, len(c.token_ids), st.req.prompt_logprobs)
+                for st, c in zip(prefill_streams, chunks, strict=True)]
         try:
             t0 = time.monotonic()
-            dec_logits, pre_logits = await self.engine.model_thread.run(self._forward, seqs, chunks)
+            dec_logits, pre_logits, scored = await self.engine.model_thread.run(self._forward, seqs, chunks, asks)
             dt = time.monotonic() - t0
         except Exception as e:
             log.exception("decode step failed")
@@ -250,17 +257,17 @@ class DecodeWorker:
         if dec_logits is not None:
             self._after_decode(decode, dec_logits)
         if pre_logits is not None:
-            self._after_prefill(prefill_streams, chunks, pre_logits, dt)
+            self._after_prefill(prefill_streams, chunks, pre_logits, scored, dt)
 
     def _forward(
-        self, seqs: list[DecodeSeq], chunks: list[PrefillChunk]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        self, seqs: list[DecodeSeq], chunks: list[PrefillChunk], asks: list[ScoreAsk | None]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[PromptLogprobs | None]]:
         cpu0 = time.thread_time()
         runner = self.engine.runner
         dec = runner.decode(seqs) if seqs else None
-        pre = runner.prefill(chunks) if chunks else None
+        pre, scored = runner.prefill_scored(chunks, asks) if chunks else (None, [])
         self.step_cpu_seconds += time.thread_time() - cpu0  # < the step's wall time by its waits (GIL, cores)
-        return dec, pre
+        return dec, pre, scored
 
     def _decode_seq(self, st: Stream) -> DecodeSeq:
         seq = self.scheduler.get(st.request_id)
@@ -325,19 +332,22 @@ class DecodeWorker:
         return chunks, streams
 
     def _after_prefill(
-        self, streams: list[Stream], chunks: list[PrefillChunk], logits: torch.Tensor, dt: float
+        self, streams: list[Stream], chunks: list[PrefillChunk], logits: torch.Tensor,
+        scored: list[PromptLogprobs | None], dt: float,
     ) -> None:
         for row, (st, chunk) in enumerate(zip(streams, chunks, strict=True)):
             if st.request_id not in self.streams:
                 continue  # aborted while the step ran; its blocks are already free
             st.prefilled += len(chunk.token_ids)
             st.prefill_s += dt
+            if (part := scored[row]) is not None:
+                st.prompt_scores = part if st.prompt_scores is None else st.prompt_scores + part
             if st.prefilled < len(st.req.prompt_token_ids):
                 continue
             self.prefilling.remove(st)
             self.scheduler.on_transfer_done(st.request_id)
             out = sample(logits[row : row + 1], [st.sampler])
-            self._emit(st, out.token_ids[0], out.logprobs[0], out.top[0])
+            self._emit(st, out.token_ids[0], out.logprobs[0], out.top[0], st.prompt_scores)
 
     def _after_decode(self, streams: list[Stream], logits: torch.Tensor) -> None:
         out = sample(logits, [st.sampler for st in streams])
@@ -347,7 +357,8 @@ class DecodeWorker:
             self.scheduler.on_token(st.request_id)
             self._emit(st, tok, lp, top)
 
-    def _emit(self, st: Stream, tok: int, lp: float, top: TopLogprobs = ()) -> None:
+    def _emit(self, st: Stream, tok: int, lp: float, top: TopLogprobs = (),
+              prompt_logprobs: PromptLogprobs | None = None) -> None:
         grammar = st.sampler.grammar
         if grammar is not None and grammar.error is not None:  # never emit a token the grammar rejected
             self._end(st, "error", grammar.error)
@@ -362,6 +373,6 @@ class DecodeWorker:
             reason = "stop"
         elif len(st.generated) >= params.max_tokens:
             reason = "length"
-        st.push(tok, lp, reason, top)
+        st.push(tok, lp, reason, top, prompt_logprobs)
         if reason is not None:
             self._forget(st)

@@ -257,6 +257,17 @@ class LlamaModel:
     @torch.inference_mode()
     def prefill(self, batch: PrefillBatch, cache: KVCache) -> torch.Tensor:
         """Returns fp32 logits [N, vocab] for the rows in ``batch.logits_index``."""
+        return self._logits(self.prefill_hidden(batch, cache)[batch.logits_index])
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab] of final hidden states h [N, hidden] (before the final norm)."""
+        return self._logits(h)
+
+    @torch.inference_mode()
+    def prefill_hidden(self, batch: PrefillBatch, cache: KVCache) -> torch.Tensor:
+        """The prefill forward without the lm_head: every row's final hidden state [T, hidden]
+        (before the final norm), for `logits` over the rows a caller wants."""
         cfg = self.cfg
         h = self._embed(batch.token_ids)  # [T, hidden]
         bs = cache.block_size
@@ -282,7 +293,7 @@ class LlamaModel:
             attn = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H, D]
             h = self._attention_out(lk, attn.reshape(attn.shape[0], cfg.q_size), h)
             h = self._mlp(lk, h)
-        return self._logits(h[batch.logits_index])
+        return h
 
     @torch.inference_mode()
     def decode(self, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Turns per-sequence descriptions (tokens, positions, block tables) into model batches.
 
-Owns: the only translation from block tables to cache slots, and the calls into `LlamaModel`.
+Owns: the only translation from block tables to cache slots, and the calls into `LlamaModel`
+(a prefill's prompt log-probs included: `prefill_scored`, through `engine.prompt_logprobs`).
 Workers describe *what* to run with `PrefillChunk` / `DecodeSeq`; this module decides *how*.
 
 Invariants: a block table must cover every position it is asked to write (checked, with a clear
@@ -20,6 +21,7 @@ from engine.attention import PagedDecodeMeta
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
+from engine.prompt_logprobs import PromptLogprobs, ScoreAsk, score_rows
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,28 @@ class ModelRunner:
         Returns fp32 logits: ``[len(chunks), vocab]`` for each chunk's last token, or
         ``[sum of lens, vocab]`` for every token when ``all_logits``.
         """
+        return self.model.prefill(self._prefill_batch(chunks, all_logits), self.cache)
+
+    def prefill_scored(
+        self, chunks: Sequence[PrefillChunk], asks: Sequence[ScoreAsk | None]
+    ) -> tuple[torch.Tensor, list[PromptLogprobs | None]]:
+        """`prefill` (each chunk's last-row logits, the same values), and the prompt log-probs of
+        the chunks whose ask is not None (`engine.prompt_logprobs`); the others pay nothing more."""
+        if len(asks) != len(chunks):
+            raise ValueError(f"{len(asks)} asks for {len(chunks)} chunks")
+        if all(a is None for a in asks):
+            return self.prefill(chunks), [None] * len(chunks)
+        batch = self._prefill_batch(chunks, all_logits=False)
+        h = self.model.prefill_hidden(batch, self.cache)  # [T, hidden]
+        scored: list[PromptLogprobs | None] = []
+        offset = 0
+        for chunk, ask in zip(chunks, asks, strict=True):
+            n = len(chunk.token_ids)
+            scored.append(None if ask is None else score_rows(self.model.logits, h[offset : offset + n], ask))
+            offset += n
+        return self.model.logits(h[batch.logits_index]), scored
+
+    def _prefill_batch(self, chunks: Sequence[PrefillChunk], all_logits: bool) -> PrefillBatch:
         if not chunks:
             raise ValueError("prefill of an empty batch")
         bs = self.block_size
@@ -92,7 +116,7 @@ class ModelRunner:
             starts.append(c.start_pos)
             last_rows.append(len(tokens) - 1)
         total = len(tokens)
-        batch = PrefillBatch(
+        return PrefillBatch(
             token_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             slots=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -105,7 +129,6 @@ class ModelRunner:
                 else torch.tensor(last_rows, dtype=torch.long, device=self.device)
             ),
         )
-        return self.model.prefill(batch, self.cache)
 
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
         """One decode step for every sequence. Returns fp32 logits ``[len(seqs), vocab]``.

@@ -1,29 +1,31 @@
 """Sampling parameters and the batched sampler.
 
 Owns: `SamplingParams` (what a request asks for), `SamplingDefaults` (what a model asks for when the
-request does not), `SamplerState` (one sequence's prompt, output and penalty books) and `sample()`
+request does not), `SamplerState` (one sequence's prompt, output and penalty book) and `sample()`
 (a step's logits → token ids, their log-probs and the most likely alternatives, `Sampled`).
 
-The pipeline, as tensor ops over the step's rows (vLLM's order; a stage runs only when some row
-needs it, so plain requests pay for none of them):
+The pipeline, over the step's rows (vLLM's order; a stage runs only when some row needs it, so
+plain requests pay for none of them):
 
 1. ``logit_bias`` added; the stop ids (EOS unless ``ignore_eos``, and ``stop_token_ids``) masked
    while the output is shorter than ``min_tokens``; then the grammar's mask (structured outputs,
    `engine.grammar.mask_logits`: what the grammar does not allow next at -inf);
 2. repetition penalty (transformers' definition: over prompt and output tokens, a positive logit
    divided by it, a negative one multiplied), then frequency and presence penalties (OpenAI's:
-   ``logit - count * frequency - (count > 0) * presence`` over the output tokens);
-3. greedy rows (``temperature == 0``) take the argmax here; the others are divided by their
-   temperature, then min-p (tokens below ``min_p`` times the top probability), top-k (ties with the
-   k-th kept), top-p (the smallest head whose mass reaches ``top_p``) remove tokens, and a token is
-   drawn from the softmax of what is left (``torch.multinomial``: one batched draw for the unseeded
-   rows, one per seeded row from its own generator).
+   ``logit - count * frequency - (count > 0) * presence`` over the output tokens), as a gather and
+   a scatter over only the ids in each row's `PenaltyBook`;
+3. greedy rows (``temperature == 0``) take the argmax here; for the others, min-p (tokens below
+   ``min_p`` times the top probability), top-k (ties with the k-th kept) and top-p (the smallest
+   head whose mass reaches ``top_p``, with the tokens tied with its last) at the row's temperature
+   become one cut per row, and a token is drawn from the softmax of what is left by inverse CDF
+   from one uniform number (engine/sampling_draw.py says how, and why on the host).
 
-Invariants: a request with a ``seed`` draws token ``t`` with a generator seeded from
-``(seed, t)``, so its text depends only on the seed, not on the batch it ran in nor on which
-process sampled which token (token 0 on a prefill replica, the rest on a decode replica gives the
-same text as colocated); a decode replica rebuilds a state from the prompt and the tokens so far
-(a grammar's matcher too, by replaying them). Greedy rows take the argmax of the masked logits.
+Invariants: a request with a ``seed`` draws token ``t`` from the number of a generator seeded from
+``(seed, t)``, and a row's cut and draw read nothing of the other rows, so its text depends only on
+the seed, not on the batch it ran in nor on which process sampled which token (token 0 on a prefill
+replica, the rest on a decode replica gives the same text as colocated); a decode replica rebuilds
+a state from the prompt and the tokens so far (a grammar's matcher too, by replaying them). Greedy
+rows take the argmax of the masked logits.
 The log-probabilities returned (the chosen token's and the ``top_logprobs`` most likely) are of the
 *unmodified* distribution (no bias, penalty, temperature or truncation), as OpenAI's API reports them.
 """
@@ -34,9 +36,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.grammar import GrammarError, GrammarMatcher, GrammarSpec, GrammarVocab, compile_grammar, mask_logits
+from engine.sampling_draw import argmax, draw, host, truncate
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, log-prob), the most likely first
 MAX_TOP_LOGPROBS = 20
@@ -119,21 +123,54 @@ class SamplingDefaults:
                        repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
 
 
+class PenaltyBook:
+    """The token ids one sequence's penalties touch, each once, with its count in the output: the
+    prompt's and the output's under a repetition penalty, else the output's only. Penalties are
+    applied to these ids alone (a gather and a scatter), never over the whole vocabulary; the
+    arrays grow in place as tokens are recorded, so a step reads them without rebuilding."""
+
+    def __init__(self) -> None:
+        self._ids = np.empty(64, dtype=np.int64)
+        self._counts = np.empty(64, dtype=np.float32)  # occurrences in the output (0: prompt only)
+        self._where: dict[int, int] = {}  # token id → its position in the arrays
+        self.size = 0
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[: self.size]  # [n] int64
+
+    @property
+    def counts(self) -> np.ndarray:
+        return self._counts[: self.size]  # [n] fp32
+
+    def add(self, token_id: int, count: float) -> None:
+        pos = self._where.get(token_id)
+        if pos is not None:
+            self._counts[pos] += count
+            return
+        if self.size == len(self._ids):
+            self._ids = np.concatenate([self._ids, np.empty_like(self._ids)])
+            self._counts = np.concatenate([self._counts, np.empty_like(self._counts)])
+        self._where[token_id] = self.size
+        self._ids[self.size] = token_id
+        self._counts[self.size] = count
+        self.size += 1
+
+
 @dataclass
 class SamplerState:
-    """One sequence's sampler state: its prompt, the tokens sampled so far and penalty books.
+    """One sequence's sampler state: its prompt, the tokens sampled so far and its penalty book.
 
     ``output_ids[t]`` is token ``t``; the next token is drawn with the generator of step
-    ``len(output_ids)``. The books (``[V]`` tensors) are built on first use from the ids, then kept
-    up to date as tokens are recorded.
+    ``len(output_ids)``. The book is built on first use from the ids, then kept up to date as
+    tokens are recorded.
     """
 
     params: SamplingParams
     prompt_ids: Sequence[int] = ()
     output_ids: list[int] = field(default_factory=list)
     min_tokens_mask_ids: tuple[int, ...] = ()  # masked while len(output_ids) < min_tokens
-    _seen: torch.Tensor | None = None  # [V] bool: in the prompt or the output (repetition penalty)
-    _counts: torch.Tensor | None = None  # [V] fp32: occurrences in the output (frequency / presence)
+    _book: PenaltyBook | None = None
     grammar: GrammarMatcher | None = None  # with ``params.grammar``: where the output stands in it
 
     @classmethod
@@ -156,35 +193,32 @@ class SamplerState:
     def step(self) -> int:
         return len(self.output_ids)
 
-    def generator(self, device: torch.device) -> torch.Generator | None:
+    def generator(self) -> torch.Generator | None:
+        """The host generator of this step's draw: seeded from ``(seed, step)``; None unseeded."""
         if self.params.seed is None or self.params.greedy:
             return None
-        gen = torch.Generator(device=device)
+        gen = torch.Generator()
         gen.manual_seed((self.params.seed * 1_000_003 + self.step) & 0x7FFF_FFFF_FFFF_FFFF)
         return gen
 
-    def seen(self, vocab: int, device: torch.device) -> torch.Tensor:
-        if self._seen is None:
-            self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            ids = [*self.prompt_ids, *self.output_ids]
-            if ids:
-                self._seen[torch.tensor(ids, device=device)] = True
-        return self._seen
-
-    def counts(self, vocab: int, device: torch.device) -> torch.Tensor:
-        if self._counts is None:
-            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-            if self.output_ids:
-                ids = torch.tensor(self.output_ids, device=device)
-                self._counts.index_put_((ids,), torch.ones(len(ids), device=device), accumulate=True)
-        return self._counts
+    def book(self, vocab: int) -> PenaltyBook:
+        """The penalty book (ids past ``vocab``, the logits' width, have no logit and are left out)."""
+        if self._book is None:
+            book = PenaltyBook()
+            if self.params.repetition_penalty != 1.0:
+                for tid in self.prompt_ids:
+                    if tid < vocab:
+                        book.add(tid, 0.0)
+            for tid in self.output_ids:
+                if tid < vocab:
+                    book.add(tid, 1.0)
+            self._book = book
+        return self._book
 
     def record(self, token_id: int) -> None:
         self.output_ids.append(token_id)
-        if self._seen is not None:
-            self._seen[token_id] = True
-        if self._counts is not None:
-            self._counts[token_id] += 1
+        if self._book is not None:
+            self._book.add(token_id, 1.0)
         if self.grammar is not None:
             self.grammar.advance(token_id)
 
@@ -217,95 +251,32 @@ def bias_and_min_tokens(logits: torch.Tensor, states: Sequence[SamplerState]) ->
 
 
 def penalties(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
-    """logits: [B, V] → repetition, then frequency and presence penalties, for the rows that ask."""
+    """logits: [B, V] → a copy with, for the rows that ask, the repetition penalty and then the
+    frequency and presence penalties applied to the ids in each row's book (a gather, the
+    penalties on those values, a scatter back); every other logit is left as it was."""
     V = logits.shape[1]
+    rows: list[int] = []
+    books: list[PenaltyBook] = []
+    per_row: list[tuple[float, float, float]] = []
+    for i, st in enumerate(states):
+        p = st.params
+        if p.repetition_penalty != 1.0 or p.counts_output:
+            rows.append(i)
+            books.append(st.book(V))
+            per_row.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+    sizes = np.array([b.size for b in books], dtype=np.int64)
+    if not sizes.sum():
+        return logits
     dev = logits.device
-    rep = [i for i, st in enumerate(states) if st.params.repetition_penalty != 1.0]
-    if rep:
-        seen = torch.stack([states[i].seen(V, dev) for i in rep])  # [b, V]
-        p = torch.tensor([states[i].params.repetition_penalty for i in rep], device=dev).unsqueeze(1)
-        rows = logits[rep]  # [b, V]
-        penalized = torch.where(rows < 0, rows * p, rows / p)
-        logits = logits.index_copy(0, torch.tensor(rep, device=dev), torch.where(seen, penalized, rows))
-    cnt = [i for i, st in enumerate(states) if st.params.counts_output]
-    if cnt:
-        counts = torch.stack([states[i].counts(V, dev) for i in cnt])  # [b, V]
-        freq = torch.tensor([states[i].params.frequency_penalty for i in cnt], device=dev).unsqueeze(1)
-        pres = torch.tensor([states[i].params.presence_penalty for i in cnt], device=dev).unsqueeze(1)
-        rows = logits[cnt] - counts * freq - (counts > 0).float() * pres
-        logits = logits.index_copy(0, torch.tensor(cnt, device=dev), rows)
-    return logits
-
-
-def truncate(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """x: [B, V] temperature-scaled logits → min-p, top-k, top-p applied (removed tokens at -inf)."""
-    V = x.shape[1]
-    dev = x.device
-    if any(p.min_p > 0 for p in params):
-        probs = x.softmax(-1)
-        min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
-        x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
-    ks = [p.top_k if 0 < p.top_k < V else V for p in params]
-    if any(k < V for k in ks):
-        k = torch.tensor(ks, device=dev).unsqueeze(1)  # [B, 1]
-        top = torch.topk(x, max(ks), dim=-1).values  # [B, kmax], descending
-        kth = top.gather(1, k - 1)  # [B, 1]: ties with the k-th are kept, as transformers keeps them
-        x = x.masked_fill(x < kth, float("-inf"))
-    if any(p.top_p < 1.0 for p in params):
-        x = _top_p(x, torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1))
-    return x
-
-
-TOP_P_HEADS = (256, 2048, 16384)  # top-p looks for the nucleus among this many tokens first, in turn
-# (a full sort of a 50k-token row costs several times a top-k of a few thousand)
-
-
-def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """x: [B, V], top_p: [B, 1] → the smallest head of each row whose mass reaches its top_p; rows
-    at 1.0 untouched. A token is dropped when the mass strictly before it already reaches top_p."""
-    every = top_p >= 1.0  # [B, 1]
-    lse = x.logsumexp(-1, keepdim=True)  # [B, 1]
-    for k in TOP_P_HEADS:
-        if k >= x.shape[1]:
-            break
-        vals, order = torch.topk(x, k, dim=-1)  # [B, k], descending
-        probs = (vals - lse).exp()  # each head token's share of the whole row
-        cum = probs.cumsum(-1)
-        if bool(((cum[:, -1:] >= top_p) | every).all()):
-            break
-    else:
-        k = x.shape[1]
-    if k >= x.shape[1]:  # a nucleus reaches past every head: sort it all
-        vals, order = torch.sort(x, dim=-1, descending=True)
-        probs = vals.softmax(-1)
-        cum = probs.cumsum(-1)
-    kept = vals.masked_fill((cum - probs) >= top_p, float("-inf"))
-    head = torch.full_like(x, float("-inf")).scatter(1, order, kept)
-    return torch.where(every, x, head)
-
-
-def _draw(probs: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
-    """probs: [B, V] → one token per row [B], drawn among each row's candidates (its tokens of
-    non-zero probability) only: a draw costs per candidate, and top-k / top-p / min-p leave few of a
-    vocabulary. A seeded row draws from its own generator over its candidates in token-id order (one
-    row at a time, so its draw depends on nothing else in the batch); the other rows in one batched
-    draw over the batch's widest candidate set."""
-    gens = [st.generator(probs.device) for st in states]
-    free = [i for i, g in enumerate(gens) if g is None]
-    out = torch.empty(len(states), dtype=torch.long, device=probs.device)
-    if free:
-        rows = probs if len(free) == len(states) else probs[free]  # [b, V]
-        n = int((rows > 0).sum(-1).max())
-        if n < rows.shape[1]:
-            vals, idx = torch.topk(rows, n, dim=-1)  # [b, n]: every candidate of every row
-            out[free] = idx.gather(1, torch.multinomial(vals, 1)).squeeze(1)
-        else:
-            out[free] = torch.multinomial(rows, 1).squeeze(1)
-    for i, g in enumerate(gens):
-        if g is not None:
-            cand = probs[i].nonzero().squeeze(1)  # [n] ascending token ids
-            out[i] = cand[torch.multinomial(probs[i, cand], 1, generator=g)[0]]
-    return out
+    row = torch.from_numpy(np.repeat(np.array(rows, dtype=np.int64), sizes)).to(dev)  # [N]
+    col = torch.from_numpy(np.concatenate([b.ids for b in books])).to(dev)  # [N]
+    c = torch.from_numpy(np.concatenate([b.counts for b in books])).to(dev)  # [N]
+    each = torch.from_numpy(np.repeat(np.array(per_row, dtype=np.float32), sizes, axis=0)).to(dev)  # [N, 3]
+    rep, freq, pres = each.unbind(1)  # [N] each
+    v = logits[row, col]  # [N]
+    v = torch.where(v < 0, v * rep, v / rep)  # transformers' repetition penalty
+    v = v - c * freq - (c > 0).float() * pres  # OpenAI's frequency and presence penalties
+    return logits.index_put((row, col), v)
 
 
 class Sampled(NamedTuple):
@@ -339,18 +310,28 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> Sampled:
     if any(p.repetition_penalty != 1.0 or p.counts_output for p in params):
         x = penalties(x, states)
     hot = [i for i, p in enumerate(params) if not p.greedy]
-    if not hot:
-        ids = x.argmax(dim=-1)  # [B]
-    else:
-        every = len(hot) == len(states)
-        sub = states if every else [states[i] for i in hot]
-        temps = torch.tensor([st.params.temperature for st in sub], device=x.device).unsqueeze(1)
-        y = truncate((x if every else x[hot]) / temps, [st.params for st in sub])  # [b, V]
-        drawn = _draw(y.softmax(-1), sub)  # [b]
-        ids = drawn if every else x.argmax(dim=-1).index_copy(0, torch.tensor(hot, device=x.device), drawn)
+    ids = argmax(x) if len(hot) < len(states) else np.empty(len(states), dtype=np.int64)  # [B]
+    if hot:
+        a = host(x if len(hot) == len(states) else x[hot])  # [b, V]
+        sub = [params[i] for i in hot]
+        cut = truncate(a, sub)  # [b]: temperature, min-p, top-k, top-p
+        temps = np.array([p.temperature for p in sub])
+        ids[hot] = draw(a, cut, temps, _uniforms([states[i] for i in hot]))
+    chosen_ids = torch.from_numpy(ids).to(raw.device)
     lse = raw.logsumexp(dim=-1)  # [B]
-    chosen = raw.gather(1, ids.unsqueeze(1)).squeeze(1) - lse  # [B]
+    chosen = raw.gather(1, chosen_ids.unsqueeze(1)).squeeze(1) - lse  # [B]
     out = ids.tolist()
     for st, tok in zip(states, out, strict=True):
         st.record(tok)
     return Sampled(out, chosen.tolist(), _top(raw, lse, states))
+
+
+def _uniforms(states: Sequence[SamplerState]) -> np.ndarray:
+    """[b] float64 in [0, 1): a seeded row's from its own generator (one number per token), the
+    other rows' from torch's default generator in one call."""
+    u = torch.rand(len(states), dtype=torch.float64).tolist()
+    for i, st in enumerate(states):
+        gen = st.generator()
+        if gen is not None:
+            u[i] = float(torch.rand(1, generator=gen, dtype=torch.float64)[0])
+    return np.array(u)

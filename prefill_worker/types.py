@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling import SamplingParams, TopLogprobs
 from kv_transfer.handle import KVHandle
 
@@ -22,6 +23,9 @@ class PrefillRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     arrival_time: float = 0.0  # router's wall clock when the request arrived (for queue metrics)
+    # the prompt's log-probs with this many alternatives per position (None: not computed); such a
+    # request takes no prefix-cache hit (a cached prefix has no logits) but still publishes its blocks
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -46,3 +50,4 @@ class PrefillResult:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     timings: PrefillTimings = field(default_factory=PrefillTimings)
     top_logprobs: TopLogprobs = ()  # token 0's most likely alternatives, when the request asks
+    prompt_logprobs: PromptLogprobs | None = None  # positions 1.. of the prompt, when the request asks

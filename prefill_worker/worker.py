@@ -5,13 +5,15 @@ Life cycle of a request (each name is a queue or a state in this file):
 1. ``prefill(req)`` checks the length and the queue bound, then appends a `_Job` to ``waiting``.
 2. The step loop admits jobs from ``waiting`` in FIFO order, while the admitted ones cannot fill
    the step's budget. On admission a job matches its prompt against the prefix cache
-   (``pool.match_prefix``) and reserves blocks for the rest of the prompt; a job that does not fit
+   (``pool.match_prefix``; not a job that asks for prompt log-probs, which needs every position's
+   logits) and reserves blocks for the rest of the prompt; a job that does not fit
    waits at the head (blocks come back as the outbox drains) — FIFO, so a long prompt is never
    overtaken forever.
 3. Each step packs chunks of the admitted jobs into one forward under ``max_batch_tokens``
    (`engine.prefill_planner`): the oldest job first, then shortest-remaining first, no job more than
    ``max_chunk_tokens`` per step — a long prompt is prefilled over several steps (chunked prefill)
-   and short prompts pass it between its chunks; several short prompts share one forward.
+   and short prompts pass it between its chunks; several short prompts share one forward. A job
+   that asks for prompt log-probs has each chunk's scored in the same forward (`engine.prompt_logprobs`).
 4. After its last chunk a job samples token 0, registers its full blocks in the prefix cache, and
    its blocks move to the **outbox** under a lease; the caller gets a `PrefillResult` with a
    `KVHandle`. If token 0 already ends the request (EOS, a stop id, ``max_tokens == 1``, a complete
@@ -42,6 +44,7 @@ from engine.errors import QueueFullError
 from engine.grammar import GrammarError, load_grammar
 from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens, wants_more
+from engine.prompt_logprobs import PromptLogprobs, check_prompt_logprobs, chunk_ask
 from engine.runner import PrefillChunk
 from engine.sampling import SamplerState, sample
 from engine.step_loop import StepLoop
@@ -65,6 +68,7 @@ class _Job:
     computed: int = 0  # prompt tokens whose KV is written (cached prefix included)
     started: float | None = None
     num_chunks: int = 0
+    scores: PromptLogprobs | None = None  # the prompt's log-probs so far, when the request asks
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -109,6 +113,7 @@ class PrefillWorker:
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         self.engine.check_length(len(req.prompt_token_ids), req.sampling.max_tokens)
+        check_prompt_logprobs(req.prompt_logprobs)
         needed = self.engine.blocks_for(len(req.prompt_token_ids))
         if needed > self.engine.pool.num_blocks:
             raise ValueError(
@@ -154,8 +159,10 @@ class PrefillWorker:
         if not chunks:  # wake on a new request, or poll: blocks come back as the outbox drains
             await self._loop.idle(0.05 if self.waiting else 1.0)
             return
+        asks = [chunk_ask(j.prompt, c.start_pos, len(c.token_ids), j.req.prompt_logprobs)
+                for j, c in zip(jobs, chunks, strict=True)]
         try:
-            logits = await self.engine.model_thread.run(self.engine.runner.prefill, chunks)
+            logits, scored = await self.engine.model_thread.run(self.engine.runner.prefill_scored, chunks, asks)
         except Exception as e:  # a failed forward fails its jobs, never the worker
             log.exception("prefill forward failed")
             for job in jobs:
@@ -164,6 +171,8 @@ class PrefillWorker:
             return
         for row, (job, chunk) in enumerate(zip(jobs, chunks, strict=True)):
             job.computed += len(chunk.token_ids)
+            if (part := scored[row]) is not None:
+                job.scores = part if job.scores is None else job.scores + part
             if job.remaining == 0:
                 self._remove(job)
                 self._finish(job, logits[row : row + 1])
@@ -178,7 +187,8 @@ class PrefillWorker:
             if not wants_more([j.remaining for j in admitted], budget, cap):
                 break
             if not job.blocks:
-                hit = pool.match_prefix(job.prompt[:-1]) if self.engine.config.enable_prefix_cache else []
+                reuse = self.engine.config.enable_prefix_cache and job.req.prompt_logprobs is None
+                hit = pool.match_prefix(job.prompt[:-1]) if reuse else []
                 need = self.engine.blocks_for(len(job.prompt)) - len(hit)
                 if not pool.can_allocate(need):
                     pool.free(hit)
@@ -219,7 +229,7 @@ class PrefillWorker:
             result = PrefillResult(
                 request_id=req.request_id, token_id=token, logprob=logprob, handle=None, finished=True,
                 finish_reason="stop" if stop else "length", num_cached_tokens=job.num_cached, timings=timings,
-                top_logprobs=top,
+                top_logprobs=top, prompt_logprobs=job.scores,
             )
         else:
             transfer_id = f"{req.request_id}-{uuid.uuid4().hex[:12]}"
@@ -231,7 +241,7 @@ class PrefillWorker:
             )
             result = PrefillResult(
                 request_id=req.request_id, token_id=token, logprob=logprob, handle=handle,
-                num_cached_tokens=job.num_cached, timings=timings, top_logprobs=top,
+                num_cached_tokens=job.num_cached, timings=timings, top_logprobs=top, prompt_logprobs=job.scores,
             )
         if not job.future.done():
             job.future.set_result(result)

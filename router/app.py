@@ -182,11 +182,13 @@ class Router:
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = await self._parse(request, CompletionRequest)
         prompt = completion_prompt(req, self._codec)
+        k = req.prompt_logprobs_k
         fmt: Formatter = CompletionFormatter(
             model=req.model, codec=self._codec, prompt_tokens=len(prompt),
             logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, include_usage=req.include_usage,
-            echo=echo_text(req, prompt, self._codec) if req.echo else "")
-        return await self._run(req.stream, prompt, req, fmt)
+            echo=echo_text(req, prompt, self._codec) if req.echo else "",
+            echo_logprobs=req.echo and req.logprobs is not None, prompt_ids=prompt if k is not None else ())
+        return await self._run(req.stream, prompt, req, fmt, k)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -194,11 +196,12 @@ class Router:
         prompt = chat_prompt(req, self._codec)
         fmt: Formatter = ChatFormatter(model=req.model, codec=self._codec, prompt_tokens=len(prompt),
                                        logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
-                                       include_usage=req.include_usage)
-        return await self._run(req.stream, prompt, req, fmt)
+                                       include_usage=req.include_usage,
+                                       prompt_ids=prompt if req.prompt_logprobs is not None else ())
+        return await self._run(req.stream, prompt, req, fmt, req.prompt_logprobs)
 
-    async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter
-                   ) -> Response:
+    async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
+                   prompt_logprobs: int | None) -> Response:
         arrival_mono = time.perf_counter()
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
                                 self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size, fmt.top_logprobs,
@@ -206,7 +209,8 @@ class Router:
         await check_grammar(sampling.grammar, self._codec)
         inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
                               stop_strings=req.stop_strings, include_stop_str=req.include_stop_str_in_output,
-                              skip_special_tokens=req.skip_special_tokens, arrival_mono=arrival_mono)
+                              skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
+                              arrival_mono=arrival_mono)
         deltas = self._generation.stream(inp)
         try:
             first = await deltas.__anext__()

@@ -28,7 +28,8 @@ Served fields (both endpoints unless marked):
 | logprobs, top_logprobs (chat, <= 20) | the chosen token's and the k most likely, unmodified distribution |
 | logprobs k (completions, <= 5) | the same; each token's dict holds the k most likely and the chosen one |
 | stream, stream_options.include_usage | (include_obfuscation: wire padding, ignored) |
-| echo (completions) | the prompt's text before the completion's; with logprobs refused (no prompt log-probs) |
+| echo (completions) | the prompt's text first; with logprobs, the prompt's tokens lead (the first: null) |
+| prompt_logprobs (<= 20) | vLLM's shape, on the completions choice / chat response; not with stream |
 | top_k, min_p, repetition_penalty, min_tokens | vLLM's extensions, as vLLM defines them |
 | ignore_eos, stop_token_ids | vLLM's extensions, as vLLM defines them |
 | skip_special_tokens, include_stop_str_in_output | vLLM's extensions, as vLLM defines them |
@@ -82,7 +83,6 @@ REFUSED: dict[str, Refused] = {
     # vLLM's extensions that change the output
     "use_beam_search": Refused("beam search is not supported", (False,)),
     "length_penalty": Refused("length_penalty needs beam search, which is not supported", (1.0, 1)),
-    "prompt_logprobs": Refused("prompt log-probs are not supported", ()),
     "allowed_token_ids": Refused("allowed_token_ids is not supported", ([],)),
     "bad_words": Refused("bad_words is not supported", ([],)),
     "guided_json": _GUIDED,

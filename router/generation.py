@@ -7,6 +7,8 @@ the ``max_tokens`` bound, and records the request's metrics.
 
 Life cycle: [disaggregated] ``prefill`` → Delta(token 0) → ``generate(first_token_id, handle)`` →
 Delta per event; [colocated] ``generate(None, None)`` → Delta per event (the first is token 0).
+The prompt's log-probs, when asked, come with token 0 (from the prefill, or colocated with its
+event) and ride on token 0's Delta.
 A request finished by token 0 (EOS, ``max_tokens == 1``) never reaches the decode pool. If the
 decode pool cannot pull the prompt's KV (``error_code == KV_LOST``: the prefill replica died after
 answering, or the lease ran out in a queue) before any decode token, the prompt is prefilled once
@@ -34,6 +36,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from decode_worker.types import KV_LOST, DecodeRequest, DecodeTimings, TokenEvent
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling import SamplingParams, TopLogprobs
 from prefill_worker.types import PrefillRequest
 from router.admission import Admission
@@ -56,6 +59,7 @@ class GenerationInput:
     stop_strings: tuple[str, ...] = ()
     include_stop_str: bool = False  # the matched stop string, or the stop token's text, ends the text
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # the prompt's log-probs, this many alternatives each (None: not asked)
     arrival_time: float = field(default_factory=time.time)  # wall clock, for worker queue metrics
     arrival_mono: float = field(default_factory=time.perf_counter)  # for our latency metrics
 
@@ -68,6 +72,7 @@ class Delta:
     finish_reason: str | None = None
     top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token when the request asks, else empty
     cached_tokens: int = 0  # on token 0's delta: prompt tokens the prefill took from its prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # on token 0's delta, when the request asks
 
 
 @dataclass
@@ -103,20 +108,22 @@ class Generation:
             if self._backends.disaggregated:
                 result = await self._backends.prefill(PrefillRequest(
                     request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
-                    sampling=inp.sampling, arrival_time=inp.arrival_time))
+                    sampling=inp.sampling, arrival_time=inp.arrival_time, prompt_logprobs=inp.prompt_logprobs))
                 self._metrics.queue.observe(result.timings.queue_s)
                 self._metrics.prefill.observe(result.timings.prefill_s)
                 delta = self._advance(st, inp, detok, stops, stop_ids, (result.token_id,), (result.logprob,),
                                       (result.top_logprobs,),
                                       result.finish_reason if result.finished else None)
-                yield self._sent(st, dataclasses.replace(delta, cached_tokens=result.num_cached_tokens))
+                delta = dataclasses.replace(delta, cached_tokens=result.num_cached_tokens)
+                yield self._sent(st, _with_prompt_logprobs(delta, inp, result.prompt_logprobs))
                 if st.finish_reason is not None:
                     return
                 first, handle = result.token_id, result.handle
                 unclaimed = handle
             req = DecodeRequest(request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
                                 sampling=inp.sampling, first_token_id=first, handle=handle,
-                                arrival_time=inp.arrival_time)
+                                arrival_time=inp.arrival_time,
+                                prompt_logprobs=None if handle is not None else inp.prompt_logprobs)
             rebuilds = 1 if handle is not None else 0  # times the prompt's KV may be prefilled again
             while True:
                 lost: str | None = None
@@ -131,6 +138,8 @@ class Generation:
                         self._record_timings(ev.timings)
                         delta = self._advance(st, inp, detok, stops, stop_ids, ev.token_ids,
                                               _logprobs(ev), ev.top_logprobs or (), ev.finish_reason)
+                        if first is None and st.first_sent is None:  # colocated: token 0's event
+                            delta = _with_prompt_logprobs(delta, inp, ev.prompt_logprobs)
                         yield self._sent(st, delta)
                         if st.finish_reason is not None:
                             return
@@ -237,6 +246,16 @@ class Generation:
             m.tpot.observe((end - st.first_sent) / (st.num_tokens - 1))
         if st.finish_reason is not None:
             m.success.labels(finish_reason=st.finish_reason).inc()
+
+
+def _with_prompt_logprobs(delta: Delta, inp: GenerationInput, scores: PromptLogprobs | None) -> Delta:
+    """Token 0's delta with the prompt's log-probs the request asked for (a pool that did not
+    compute them fails the request rather than answer without them)."""
+    if inp.prompt_logprobs is None:
+        return delta
+    if scores is None or len(scores) != len(inp.prompt_token_ids) - 1:
+        raise StreamError("the pool returned no prompt log-probs for this prompt")
+    return dataclasses.replace(delta, prompt_logprobs=scores)
 
 
 def _logprobs(ev: TokenEvent) -> tuple[float | None, ...]:

@@ -8,7 +8,9 @@ and ``model``; a chat stream's first chunk carries ``role: "assistant"``; the us
 with ``stream_options.include_usage``) comes last, after the chunk with the finish reason, and has
 ``choices: []``; logprobs are the chosen tokens' and, when asked, the most likely alternatives
 (chat: ``top_logprobs`` objects; completions: a ``{token: logprob}`` dict per token, the chosen one
-included).
+included); completions' ``echo`` with ``logprobs`` puts the prompt's tokens first (in the first
+chunk), and a request that asks for prompt log-probs gets vLLM's ``prompt_logprobs`` in its
+response (`router.prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling import TopLogprobs
 from router.codec import TextCodec
 from router.generation import Delta
+from router.prompt_logprobs import PromptLogprobsList, echoed_entries, vllm_prompt_logprobs
 from router.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -68,6 +72,9 @@ class Formatter:
     finish_reason: str | None = None
     id: str = ""
     echo: str = ""  # completions' ``echo``: the prompt's text, sent before the completion's (first chunk)
+    echo_logprobs: bool = False  # completions' ``echo`` with ``logprobs``: the prompt's tokens come first
+    prompt_ids: tuple[int, ...] = ()  # with prompt log-probs asked: the prompt they score
+    prompt_scores: PromptLogprobs | None = None  # the prompt's log-probs, from token 0's delta
 
     def __post_init__(self) -> None:  # declared here so the dataclass __init__ calls the subclasses' own
         pass
@@ -80,6 +87,13 @@ class Formatter:
         self.token_logprobs.extend(delta.logprobs)
         self.token_tops.extend(delta.top_logprobs or [()] * len(delta.token_ids))
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.prompt_scores = delta.prompt_logprobs or self.prompt_scores
+
+    def vllm_prompt_logprobs(self) -> PromptLogprobsList | None:
+        """vLLM's ``prompt_logprobs`` of the response, when the request asked for them."""
+        if self.prompt_scores is None:
+            return None
+        return vllm_prompt_logprobs(self.prompt_ids, self.prompt_scores, self.codec)
 
     @property
     def usage(self) -> Usage:
@@ -99,32 +113,44 @@ class CompletionFormatter(Formatter):
     def __post_init__(self) -> None:
         self.id = self.id or new_id("cmpl")
         self._offset = 0
-        self._echoed = False
+        self._echoed_text = False
 
-    def _logprobs(self, ids: Sequence[int], lps: Sequence[float | None], tops: Sequence[TopLogprobs],
+    def _echoed(self) -> tuple[list[int], list[float | None], list[TopLogprobs | None]]:
+        """The echoed prompt's tokens, log-probs and alternatives (``echo`` with ``logprobs``), else none."""
+        if not self.echo_logprobs or self.prompt_scores is None:
+            return [], [], []
+        lps, tops = echoed_entries(self.prompt_ids, self.prompt_scores, self.top_logprobs)
+        return list(self.prompt_ids), lps, tops
+
+    def _logprobs(self, ids: Sequence[int], lps: Sequence[float | None], tops: Sequence[TopLogprobs | None],
                   offset: int) -> CompletionLogprobs | None:
         if not self.logprobs:
             return None
-        out = CompletionLogprobs(top_logprobs=[] if self.top_logprobs else None)
+        out = CompletionLogprobs()
+        tops_out: list[dict[str, float] | None] = []  # with k = 0 too: each token alone (as vLLM answers)
         for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
             tok = self.codec.token_text(tid)
             out.tokens.append(tok)
             out.token_logprobs.append(lp)
             out.text_offset.append(offset)
             offset += len(tok)
-            if out.top_logprobs is not None:  # the k most likely, and the chosen token (as vLLM does)
-                top = {self.codec.token_text(t): v for t, v in (tops[i] if i < len(tops) else ())}
-                if lp is not None:
-                    top.setdefault(tok, lp)
-                out.top_logprobs.append(top)
+            if lp is None:  # an echoed prompt's first token
+                tops_out.append(None)
+                continue
+            top = {self.codec.token_text(t): v for t, v in (tops[i] or () if i < len(tops) else ())}
+            top.setdefault(tok, lp)  # the k most likely, and the chosen token (as vLLM does)
+            tops_out.append(top)
+        out.top_logprobs = tops_out
         return out
 
     def chunk(self, delta: Delta) -> BaseModel:
         self.add(delta)
-        lp = self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs, self._offset)
-        self._offset += len(delta.text)
-        text = delta.text if self._echoed else self.echo + delta.text
-        self._echoed = True
+        ids, lps, tops = self._echoed() if not self._echoed_text else ([], [], [])  # the prompt's first
+        lp = self._logprobs([*ids, *delta.token_ids], [*lps, *delta.logprobs],
+                            [*tops, *(delta.top_logprobs or [()] * len(delta.token_ids))], self._offset)
+        self._offset += len(delta.text) + sum(len(self.codec.token_text(t)) for t in ids)
+        text = delta.text if self._echoed_text else self.echo + delta.text
+        self._echoed_text = True
         choice = CompletionChoice(text=text, logprobs=lp, finish_reason=delta.finish_reason)
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
@@ -133,8 +159,10 @@ class CompletionFormatter(Formatter):
                                usage=self.usage)
 
     def response(self) -> BaseModel:
+        ids, lps, tops = self._echoed()
+        logprobs = self._logprobs([*ids, *self.token_ids], [*lps, *self.token_logprobs], [*tops, *self.token_tops], 0)
         choice = CompletionChoice(text=self.echo + "".join(self.text), finish_reason=self.finish_reason,
-                                  logprobs=self._logprobs(self.token_ids, self.token_logprobs, self.token_tops, 0))
+                                  logprobs=logprobs, prompt_logprobs=self.vllm_prompt_logprobs())
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
                                   usage=self.usage)
 
@@ -178,4 +206,4 @@ class ChatFormatter(Formatter):
                             logprobs=self._logprobs(self.token_ids, self.token_logprobs, self.token_tops),
                             finish_reason=self.finish_reason)
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=self.usage)
+                                      usage=self.usage, prompt_logprobs=self.vllm_prompt_logprobs())

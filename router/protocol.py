@@ -8,10 +8,11 @@ Invariants: the fields declared here are the ones we serve; `router.fields.accou
 every other field of the body before these models see it (refused ones at a non-default value are a
 400, the rest are dropped), so ``extra="ignore"`` drops nothing unaccounted for. A request that
 passes validation has a ``max_tokens`` that is None or >= 1, at most 4 non-empty stop strings, a
-non-empty prompt, only text content, ``logit_bias`` values in -100..100, ``min_tokens`` no larger
-than ``max_tokens`` and a ``response_format`` of a served type and shape; what needs the tokenizer
-or the served name (token ids inside the vocabulary, context length, model name, whether
-llguidance compiles the schema) is checked by the app.
+non-empty prompt, only text content, ``logit_bias`` values in -100..100, ``min_tokens`` no
+larger than ``max_tokens``, no ``prompt_logprobs`` on a stream (vLLM's rule) and a
+``response_format`` of a served type and shape; what needs the tokenizer or the served name (token
+ids inside the vocabulary, context length, model name, whether llguidance compiles the schema) is
+checked by the app.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
 )
 
+from router.prompt_logprobs import PromptLogprobsList
 from router.response_format import ResponseFormat
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -76,6 +79,14 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # per prompt position: the token's and k more
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("stream"):  # ``stream`` is declared, so validated, first
+            raise ValueError("prompt_logprobs are not available when stream=True")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -130,13 +141,15 @@ class CompletionRequest(GenerationRequest):
 
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False  # the prompt's text before the completion's (without prompt log-probs: refused with logprobs)
+    echo: bool = False  # the prompt's text before the completion's (with logprobs: the prompt's tokens first)
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs the prompt's log-probs, which are not computed")
-        return self
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """Alternatives per prompt position to compute: ``prompt_logprobs``, else ``logprobs`` with
+        ``echo`` (vLLM's rule), else None (none computed)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod
@@ -252,9 +265,17 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
     text_offset: list[int] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+
+def _without_null_prompt_logprobs(handler: SerializerFunctionWrapHandler, model: BaseModel) -> dict[str, Any]:
+    """A response's keys, ``prompt_logprobs`` only when computed (vLLM's field, absent from OpenAI's)."""
+    out: dict[str, Any] = handler(model)
+    if out.get("prompt_logprobs", 0) is None:
+        del out["prompt_logprobs"]
+    return out
 
 
 class CompletionChoice(BaseModel):
@@ -262,6 +283,11 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None  # vLLM's, when asked (not in stream chunks)
+
+    @model_serializer(mode="wrap")
+    def _drop_null_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null_prompt_logprobs(handler, self)
 
 
 class CompletionResponse(BaseModel):
@@ -311,6 +337,11 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None  # vLLM's, when asked
+
+    @model_serializer(mode="wrap")
+    def _drop_null_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null_prompt_logprobs(handler, self)
 
 
 class ChatDelta(BaseModel):

@@ -29,6 +29,7 @@ from engine.grammar import GrammarSpec
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 from loadtests.bench_common import free_port
+from tests.support.prompt_logprobs_oracle import hf_prompt_logprobs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -141,8 +142,67 @@ def test_echo_returns_the_prompt_then_the_same_completion(cluster: str, app: str
     parts = [ch.choices[0].text for ch in c.completions.create(
         model=DEFAULT_MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True, stream=True) if ch.choices]
     assert parts[0].startswith(prompt) and "".join(parts) == echoed.choices[0].text
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        c.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=8, echo=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> Any:
+    import torch
+    import transformers
+
+    folder = prepare_model(DEFAULT_MODEL, progress=False)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("app", ["pd", "colo"])
+def test_echo_with_logprobs_gives_the_prompt_tokens_log_probs_of_transformers(
+        cluster: str, oracle, hf_model, app: str) -> None:
+    """Legacy completions' echo + logprobs: the prompt's tokens first (the first without a log-prob),
+    their log-probs and top 3 those of transformers' log-softmax; streamed, the same entries."""
+    _, tok = oracle
+    c = client(cluster, app)
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    ids = tok.encode_prompt(prompt)
+    ref = hf_prompt_logprobs(hf_model, ids, 3)
+    kw: dict[str, Any] = dict(model=DEFAULT_MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=3)
+    got = c.completions.create(**kw).choices[0]
+    plain = c.completions.create(**{**kw, "echo": False}).choices[0]
+    lp, n = got.logprobs, len(ids)
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert got.text == prompt + plain.text
+    assert lp.tokens[:n] == [tok.decode([i]) for i in ids] and len(lp.tokens) == n + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:n], ref.token_logprobs, strict=True)) < 1e-4  # type: ignore[operator]
+    for top, want_ids, want in zip(lp.top_logprobs[1:n], ref.top_ids, ref.top_logprobs, strict=True):
+        assert all(abs(top[tok.decode([t])] - v) < 1e-4 for t, v in zip(want_ids, want, strict=True))
+    assert plain.logprobs is not None and lp.token_logprobs[n:] == plain.logprobs.token_logprobs
+    chunks = [ch.choices[0] for ch in c.completions.create(**kw, stream=True) if ch.choices]
+    assert [t for ch in chunks for t in ch.logprobs.tokens] == lp.tokens  # type: ignore[union-attr]
+    streamed = [x for ch in chunks for x in ch.logprobs.token_logprobs]  # type: ignore[union-attr]
+    assert streamed[0] is None
+    assert max(abs(a - b) for a, b in zip(streamed[1:], lp.token_logprobs[1:], strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("app", ["pd", "colo"])
+def test_chat_prompt_logprobs_equal_transformers(cluster: str, oracle, hf_model, app: str) -> None:
+    """vLLM's prompt_logprobs on chat (a prompt the prefix cache holds, on pd: computed whole anyway):
+    per position the prompt token's log-prob and rank, and the top 2 ranked 1 and 2."""
+    _, tok = oracle
+    ids = tok.encode_chat(CHATS[0])
+    ref = hf_prompt_logprobs(hf_model, ids, 2)
+    kw: dict[str, Any] = dict(model=DEFAULT_MODEL, messages=CHATS[0], max_tokens=2, temperature=0)
+    client(cluster, app).chat.completions.create(**kw)  # on pd, its full blocks are in the prefix cache now
+    got = client(cluster, app).chat.completions.create(**kw, extra_body={"prompt_logprobs": 2})
+    assert got.usage is not None and got.usage.prompt_tokens_details is not None
+    assert got.usage.prompt_tokens_details.cached_tokens == 0
+    entries = got.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert got.usage is not None and len(entries) == len(ids) == got.usage.prompt_tokens and entries[0] is None
+    for i, entry in enumerate(entries[1:]):
+        own = entry[str(ids[i + 1])]
+        lo, hi = ref.rank_bounds[i]
+        assert abs(own["logprob"] - ref.token_logprobs[i]) < 1e-4 and lo <= own["rank"] <= hi
+        assert own["decoded_token"] == tok.decode([ids[i + 1]], skip_special_tokens=False)  # as vLLM decodes
+        for rank, (t, v) in enumerate(zip(ref.top_ids[i], ref.top_logprobs[i], strict=True), 1):
+            assert abs(entry[str(t)]["logprob"] - v) < 1e-4 and entry[str(t)]["rank"] in (rank, own["rank"])
 
 
 def test_seeded_sampling_is_reproducible_across_modes(cluster: str) -> None:

@@ -1,27 +1,19 @@
-"""The batched sampler against its references: transformers' logits processors, OpenAI's penalty
-formula, and a brute-force per-row sampler with the same seeding (no model)."""
+"""The sampler's parameters and logit stages against their references: transformers' logits
+processors, OpenAI's penalty formula (no model). The truncation and the draw: test_sampling_draw."""
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
-from transformers.generation.logits_process import (
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from engine import sampling
-from engine.sampling import SamplerState, SamplingParams, bias_and_min_tokens, penalties, sample, truncate
+from engine.sampling import SamplerState, SamplingParams, bias_and_min_tokens, penalties, sample
 
 pytestmark = pytest.mark.timeout(60)
 V = 50
-NEG = float("-inf")
 
 
 def logits(b: int, seed: int = 0) -> torch.Tensor:
@@ -68,25 +60,18 @@ def test_penalty_books_follow_recorded_tokens() -> None:
     assert out[3].item() == pytest.approx(1 / 1.5) and out[9].item() == 1.0
 
 
-@pytest.mark.parametrize(("name", "values", "warper"), [
-    ("top_k", [1, 5, 17], TopKLogitsWarper),
-    ("top_p", [0.1, 0.5, 0.93], TopPLogitsWarper),
-    ("min_p", [0.01, 0.2, 0.8], MinPLogitsWarper),
-])
-def test_truncation_matches_transformers_row_by_row(name: str, values: list[float], warper: type) -> None:
-    x = logits(len(values), seed=3)
-    got = truncate(x, [SamplingParams(temperature=1.0, **{name: v}) for v in values])
-    for row, v in enumerate(values):
-        ref = warper(v)(None, x[row : row + 1].clone())[0]
-        assert torch.equal(torch.isinf(got[row]), torch.isinf(ref)), (name, v)
-        torch.testing.assert_close(got[row][~torch.isinf(ref)], ref[~torch.isinf(ref)])
-
-
-def test_top_k_keeps_ties_as_transformers_does() -> None:
-    x = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.0] + [-5.0] * (V - 5)])
-    got = truncate(x, [SamplingParams(temperature=1.0, top_k=2)])
-    ref = TopKLogitsWarper(2)(None, x.clone())
-    assert torch.equal(torch.isinf(got), torch.isinf(ref)) and int((~torch.isinf(got)).sum()) == 3
+def test_penalties_touch_only_their_rows_and_ids_inside_the_logits() -> None:
+    rng = random.Random(3)
+    x = logits(3, seed=11)
+    prompt = [*ids(rng, 6), V + 5]  # a tokenizer id past the model's head: no logit to move
+    states = [SamplerState.new(SamplingParams(repetition_penalty=1.7, presence_penalty=0.4), prompt, [1, 1, 2]),
+              SamplerState.new(SamplingParams(), prompt, [1]),
+              SamplerState.new(SamplingParams(frequency_penalty=1.0), prompt, [])]  # nothing in its book yet
+    got = penalties(x, states)
+    ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([[*prompt[:-1], 1, 1, 2]]), x[:1].clone())
+    ref[0, 1:3] -= 0.4
+    torch.testing.assert_close(got[0], ref[0])
+    assert torch.equal(got[1:], x[1:])
 
 
 def test_min_tokens_masks_stop_ids_until_reached_as_transformers_does() -> None:
@@ -114,84 +99,6 @@ def test_logit_bias_is_added() -> None:
     assert sample(x[:1], [SamplerState.new(SamplingParams(logit_bias=((9, 100.0),)))])[0] == [9]
 
 
-def reference_row(raw: torch.Tensor, st: SamplerState) -> int:
-    """One row, the pipeline written out token by token (the module docstring's order)."""
-    p = st.params
-    x = raw.clone().tolist()
-    for tid, b in p.logit_bias:
-        x[tid] += b
-    if st.step < p.min_tokens:
-        for tid in st.min_tokens_mask_ids:
-            x[tid] = NEG
-    seen = set(st.prompt_ids) | set(st.output_ids)
-    for j in range(V):
-        if j in seen and p.repetition_penalty != 1.0:
-            x[j] = x[j] * p.repetition_penalty if x[j] < 0 else x[j] / p.repetition_penalty
-        c = st.output_ids.count(j)
-        x[j] -= c * p.frequency_penalty + (p.presence_penalty if c else 0.0)
-    if p.greedy:
-        return max(range(V), key=lambda j: x[j])
-    x = [v / p.temperature for v in x]
-    top = max(x)
-    if p.min_p > 0:  # p_j >= min_p * p_max  <=>  x_j >= x_max + log(min_p)
-        x = [v if v >= top + math.log(p.min_p) else NEG for v in x]
-    if 0 < p.top_k < V:
-        kth = sorted(x, reverse=True)[p.top_k - 1]
-        x = [v if v >= kth else NEG for v in x]
-    if p.top_p < 1:
-        probs = torch.tensor(x).softmax(-1).tolist()
-        mass, keep = 0.0, set()
-        for j in sorted(range(V), key=lambda j: -x[j]):
-            if mass >= p.top_p:
-                break
-            keep.add(j)
-            mass += probs[j]
-        x = [v if j in keep else NEG for j, v in enumerate(x)]
-    gen = st.generator(torch.device("cpu"))
-    assert gen is not None
-    probs = torch.tensor(x).softmax(-1)
-    cand = [j for j in range(V) if probs[j] > 0]  # the draw is among the candidates, in token-id order
-    return cand[int(torch.multinomial(probs[cand], 1, generator=gen)[0])]
-
-
-PARAMS = [
-    SamplingParams(),
-    SamplingParams(temperature=0.8, seed=1),
-    SamplingParams(temperature=1.2, seed=2, top_k=7, top_p=0.9),
-    SamplingParams(temperature=0.7, seed=3, min_p=0.1, repetition_penalty=1.4),
-    SamplingParams(repetition_penalty=1.8, frequency_penalty=0.5, presence_penalty=0.3),
-    SamplingParams(temperature=1.0, seed=4, frequency_penalty=-0.5, logit_bias=((11, 5.0),), min_tokens=4,
-                   stop_token_ids=(0, 1)),
-    SamplingParams(temperature=0.5, seed=5, top_p=0.3, min_p=0.05),
-]
-
-
-def test_batched_sampler_equals_brute_force_rows_and_ignores_its_batch() -> None:
-    rng = random.Random(6)
-    for step in range(6):
-        x = logits(len(PARAMS), seed=10 + step)
-        prompts = [ids(rng, 5) for _ in PARAMS]
-        outs = [ids(rng, step) for _ in PARAMS]
-        batch = [SamplerState.new(p, pr, o, eos_ids=(2,)) for p, pr, o in zip(PARAMS, prompts, outs, strict=True)]
-        want = [reference_row(x[i], SamplerState.new(p, pr, o, eos_ids=(2,)))
-                for i, (p, pr, o) in enumerate(zip(PARAMS, prompts, outs, strict=True))]
-        got, lps, _ = sample(x, batch)
-        assert got == want, step
-        for i, (p, pr, o) in enumerate(zip(PARAMS, prompts, outs, strict=True)):
-            alone = sample(x[i : i + 1], [SamplerState.new(p, pr, o, eos_ids=(2,))])[0]
-            assert alone == [got[i]] or (p.seed is None and not p.greedy)
-        torch.testing.assert_close(torch.tensor(lps), x.log_softmax(-1).gather(1, torch.tensor(got)[:, None])[:, 0])
-        assert all(st.output_ids[-1] == t for st, t in zip(batch, got, strict=True))
-
-
-def test_unseeded_draws_follow_the_distribution() -> None:
-    x = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (V - 4)]).repeat(20000, 1)
-    states = [SamplerState.new(SamplingParams(temperature=1.0)) for _ in range(len(x))]
-    got = torch.tensor(sample(x, states)[0])
-    freq = torch.bincount(got, minlength=V)[:4].float() / len(got)
-    torch.testing.assert_close(freq, x[0, :4].softmax(-1) / x[0].softmax(-1)[:4].sum(), atol=0.015, rtol=0)
-
-
 def test_plain_requests_skip_the_optional_stages(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*_: object) -> None:
         raise AssertionError("stage ran for a plain request")
@@ -208,18 +115,6 @@ def test_plain_requests_skip_the_optional_stages(monkeypatch: pytest.MonkeyPatch
 def test_params_are_validated(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("heads", [(4,), (4, 16), (256,)])
-def test_top_p_head_and_full_sort_agree_with_transformers(heads: tuple[int, ...],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sampling, "TOP_P_HEADS", heads)  # 4: most nuclei reach past the head; 256: V or more
-    x = logits(4, seed=7) * torch.tensor([[0.2], [1.0], [2.0], [1.0]])
-    values = [0.95, 0.5, 0.9, 1.0]
-    got = truncate(x, [SamplingParams(temperature=1.0, top_p=v) for v in values])
-    for row, v in enumerate(values):
-        ref = TopPLogitsWarper(v)(None, x[row : row + 1].clone())[0] if v < 1 else x[row]
-        assert torch.equal(torch.isinf(got[row]), torch.isinf(ref)), (heads, v)
 
 
 def test_top_logprobs_are_the_unmodified_distributions_best() -> None:

@@ -173,16 +173,11 @@ def test_message_keys_we_do_not_serve_are_refused_unless_empty() -> None:
     assert named.messages[0].to_template() == {"role": "user", "content": "x", "name": "ann"}
 
 
-def test_echo_puts_the_prompt_text_first_once_and_refuses_logprobs() -> None:
-    from pydantic import ValidationError
-
+def test_echo_puts_the_prompt_text_first_once() -> None:
     from router.generation import Delta
     from router.openai_format import CompletionFormatter
-    from router.protocol import CompletionRequest
     from tests.support.pd_fakes import FakeCodec
 
-    with pytest.raises(ValidationError, match="echo with logprobs"):
-        CompletionRequest.model_validate({"model": "m", "prompt": "hi", "echo": True, "logprobs": 1})
     deltas = [Delta(" there", (5,), (None,)), Delta(" you", (6,), (None,), finish_reason="length")]
     streamed = CompletionFormatter(model="m", codec=FakeCodec(), prompt_tokens=2, logprobs=False, echo="Hello")
     assert [streamed.chunk(d).choices[0].text for d in deltas] == ["Hello there", " you"]

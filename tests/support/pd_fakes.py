@@ -29,6 +29,7 @@ from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
 from engine.errors import QueueFullError
 from engine.grammar import GrammarError, GrammarSpec
 from engine.load_report import LoadReport
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling import SamplingDefaults
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
@@ -58,6 +59,16 @@ def fake_top(t: int, k: int) -> tuple[tuple[int, float], ...]:
         out.append((t, LOGPROB - i))
         t = successor(t)
     return tuple(out)
+
+
+def fake_prompt_logprobs(prompt_ids: Sequence[int], k: int | None) -> PromptLogprobs | None:
+    """The fakes' prompt log-probs (None unless asked): each prompt token ``LOGPROB`` at rank 1, its
+    alternatives `fake_top`'s."""
+    if k is None:
+        return None
+    tops = [fake_top(t, k) for t in prompt_ids[1:]]
+    return PromptLogprobs((LOGPROB,) * len(tops), (1,) * len(tops), tuple(tuple(t for t, _ in top) for top in tops),
+                          tuple(tuple(v for _, v in top) for top in tops))
 
 
 def expected_text(prompt: str, n: int) -> str:
@@ -156,7 +167,8 @@ class FakePrefill:
         return PrefillResult(request_id=req.request_id, token_id=token, logprob=LOGPROB, handle=handle,
                              finished=finished, finish_reason="length" if finished else None,
                              timings=PrefillTimings(queue_s=0.001, prefill_s=0.002),
-                             top_logprobs=fake_top(token, req.sampling.top_logprobs))
+                             top_logprobs=fake_top(token, req.sampling.top_logprobs),
+                             prompt_logprobs=fake_prompt_logprobs(req.prompt_token_ids, req.prompt_logprobs))
 
     async def load(self) -> LoadReport:
         return LoadReport(replica_id=f"fake-prefill-{os.getpid()}", role="prefill", num_waiting=0,
@@ -196,9 +208,10 @@ class FakeDecode:
                 t = EOS if eos_at is not None and produced == eos_at else successor(t)
                 finish = "stop" if t == EOS else ("length" if produced == n_max else None)
                 timings = DecodeTimings(queue_s=0.001, transfer_s=0.001, prefill_s=0.002) if finish else None
+                scores = fake_prompt_logprobs(req.prompt_token_ids, req.prompt_logprobs) if produced == 1 else None
                 yield TokenEvent(request_id=req.request_id, token_ids=(t,), logprobs=(LOGPROB,),
                                  top_logprobs=(fake_top(t, req.sampling.top_logprobs),),
-                                 finish_reason=finish, timings=timings)
+                                 finish_reason=finish, timings=timings, prompt_logprobs=scores)
                 if finish:
                     return
         except asyncio.CancelledError:
