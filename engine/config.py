@@ -39,15 +39,48 @@ AUTO_DTYPE = "auto"
 
 
 def fast_dtype(device: str) -> str:
-    """What ``dtype: auto`` means on ``device``: bf16 on CUDA and on CPUs with bf16 arithmetic
-    (AVX512-BF16 or AMX), whose bf16 matmuls run at a multiple of fp32's rate and read half the
-    bytes; fp32 on other CPUs, whose bf16 would be emulated. Greedy exactness against transformers
-    is an fp32 property: ask for float32 for it."""
+    """What ``dtype: auto`` means on ``device`` for a checkpoint that names no dtype (or fp32): bf16
+    on CUDA and on CPUs with bf16 arithmetic (AVX512-BF16 or AMX), whose bf16 matmuls run at a
+    multiple of fp32's rate and read half the bytes; fp32 on other CPUs, whose bf16 would be
+    emulated. Greedy exactness against transformers is an fp32 property: ask for float32 for it."""
     if device.startswith("cuda"):
         return "bfloat16"
     if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
         return "bfloat16"
     return "float32"
+
+
+def auto_dtype(device: str, checkpoint: torch.dtype | None = None) -> str:
+    """What ``dtype: auto`` means for weights stored in ``checkpoint`` (`checkpoint_dtype`; None:
+    unknown) on ``device``. The rule:
+
+    - bf16 checkpoint: bf16 where the device computes in it (`fast_dtype`), else fp32 (a CPU without
+      bf16 matmul: the weights widened, exactly);
+    - fp16 checkpoint: fp16 on CUDA; on a CPU (whose kernels have no fp16 path) bf16 where it
+      computes in bf16, as vLLM does (the values rounded to bf16's 8 bits), else fp32 (exact);
+    - fp32 or unknown: `fast_dtype` (an fp32 checkpoint runs in bf16 where that is fast, as in vLLM).
+    """
+    if checkpoint == torch.float16 and device.startswith("cuda"):
+        return "float16"
+    return fast_dtype(device)
+
+
+def checkpoint_dtype(cfg: dict[str, Any]) -> torch.dtype | None:
+    """The dtype a ``config.json`` says its weights are stored in: its ``torch_dtype``, else ``dtype``
+    (the key newer transformers write); None where it names none (or no float dtype we know)."""
+    name = cfg.get("torch_dtype") or cfg.get("dtype")
+    if not isinstance(name, str):
+        return None
+    return _DTYPES.get(name.lower().removeprefix("torch."))
+
+
+def folder_checkpoint_dtype(folder: str | Path) -> torch.dtype | None:
+    """`checkpoint_dtype` of ``folder/config.json``; None where there is no readable one."""
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return checkpoint_dtype(cfg) if isinstance(cfg, dict) else None
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -98,6 +131,7 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     sliding_rope: RopeParams | None = None
+    checkpoint_dtype: torch.dtype | None = None  # what the weights are stored in (`checkpoint_dtype`)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -207,6 +241,7 @@ class ModelConfig:
                 attn_softcap=_optional_float(cfg.get("attn_logit_softcapping")) if gemma else None,
                 final_softcap=_optional_float(cfg.get("final_logit_softcapping")) if gemma else None,
                 sliding_rope=sliding_rope if window_layers and sliding_rope != full_rope else None,
+                checkpoint_dtype=checkpoint_dtype(cfg),
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: config is missing required field {e.args[0]!r}") from None
@@ -287,9 +322,11 @@ def _windows(cfg: dict[str, Any], family: Family, num_layers: int, source: str) 
 class EngineConfig:
     """How one process runs a model: device, dtype, paged-KV geometry and batch limits.
 
-    ``dtype="auto"`` is resolved at construction (`fast_dtype`), so ``dtype`` is always a concrete
-    name after it. A cluster builds its replicas' configs where the app is built: every replica of
-    an app gets the same dtype, and so the same KV layout, whatever node it lands on.
+    ``dtype="auto"`` is resolved at construction (`fast_dtype`: the device's rule, for a checkpoint
+    whose dtype is not known yet), so ``dtype`` is always a concrete name after it; a cluster resolves
+    ``auto`` with the checkpoint's dtype where it can read it (`auto_dtype`) before building this. A
+    cluster builds its replicas' configs where the app is built: every replica of an app gets the
+    same dtype, and so the same KV layout, whatever node it lands on.
     """
 
     device: str = "cpu"

@@ -44,6 +44,20 @@ def timing_lock(config: EngineConfig) -> AbstractContextManager[None]:
     return file_lock(TIMING_LOCK)
 
 
+def log_dtype(stored: torch.dtype | None, config: EngineConfig) -> None:
+    """Says where the engine computes in another dtype than the checkpoint stores, and why."""
+    dtype = config.torch_dtype
+    if stored is None or stored == dtype:
+        return
+    why = ""
+    if stored == torch.bfloat16 and dtype == torch.float32 and config.torch_device.type == "cpu":
+        why = ": this CPU has no bf16 matmul (AVX512-BF16 / AMX), so bf16 weights compute in fp32, exactly widened"
+    elif stored == torch.float16 and config.torch_device.type == "cpu":
+        why = ": the CPU kernels have no fp16 path"
+    log.info("weights stored in %s, computed in %s%s", str(stored).removeprefix("torch."),
+             str(dtype).removeprefix("torch."), why)
+
+
 @dataclass
 class Engine:
     model_config: ModelConfig
@@ -84,8 +98,10 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         mcfg = ModelConfig.from_dir(model_dir)
+        log_dtype(mcfg.checkpoint_dtype, config)
         max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        weights = load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device)
+        weights = load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device,
+                               keep_int8=config.quantization == "int8")
         with timing_lock(config):  # kernel timings and compiles, not disturbed by another engine's
             model = build_model(mcfg, weights, max_len, config)
             cache = KVCache.allocate(

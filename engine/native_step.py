@@ -36,8 +36,12 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _ACTS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
+_GROUPED = 3  # int8 with a scale per group of inputs (`engine.group_int8`)
+
+
 class _Lin(ctypes.Structure):
-    _fields_ = [("w", _P), ("scale", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I)]
+    _fields_ = [("w", _P), ("scale", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I), ("group", _I),
+                ("gain", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -74,8 +78,9 @@ def _lin(kernel: Linear, n: int, k: int, name: str) -> _Lin:
     if (kernel.out_features, kernel.in_features) != (n, k):
         raise ValueError(f"{name} is [{kernel.out_features}x{kernel.in_features}], the step needs [{n}x{k}]")
     w, scale, bias = kernel.operands()
+    group, gain = kernel.grouping()
     return _Lin(w.data_ptr(), None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr(),
-                _KINDS[w.dtype], n, k)
+                _GROUPED if group else _KINDS[w.dtype], n, k, group, None if gain is None else gain.data_ptr())
 
 
 class NativeDecodeStep:

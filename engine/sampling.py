@@ -107,7 +107,8 @@ class SamplingParams:
 class SamplingDefaults:
     """A model's own sampling settings (its ``generation_config.json``), for requests that set none.
 
-    None: the model says nothing, and the API's default applies.
+    None: the model says nothing, and the API's default applies. ``max_tokens`` is the file's
+    ``max_new_tokens`` (transformers' name for it), as vLLM takes it.
     """
 
     temperature: float | None = None
@@ -115,8 +116,11 @@ class SamplingDefaults:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_tokens}")
         SamplingParams(temperature=0.0 if self.temperature is None else self.temperature,  # raises if out of range
                        top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k is None else self.top_k,
                        min_p=0.0 if self.min_p is None else self.min_p,

@@ -6,10 +6,10 @@ from the model's generation config, and the request's grammar (`router.response_
 
 Invariants: a prompt is never empty and fits ``max_model_len`` with room for at least one token;
 ``prompt + max_tokens <= max_model_len`` when the client set ``max_tokens`` (otherwise the
-request gets the rest of the context, capped by the configured default); token ids sent by the
-client are inside the vocabulary. A text prompt gets what the tokenizer's post-processor adds (BOS
-for Llama-style tokenizers, never doubled), token ids are taken as given, and a chat gets only
-what its template writes. Violations are 400s with OpenAI's wording and codes.
+request gets the rest of the context, capped by the configured default, else by the model's
+``max_new_tokens``); token ids sent by the client are inside the vocabulary. A text prompt gets
+what the tokenizer's post-processor adds (BOS for Llama-style tokenizers, never doubled), token ids
+are taken as given, and a chat gets only what its template writes. Violations are 400s with OpenAI's wording and codes.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ def sampling_for(
 ) -> SamplingParams:
     """The request's sampling settings; EOS joins the stop ids unless ``ignore_eos`` (vLLM: the
     requested ``stop_token_ids`` stop the sequence either way); ``defaults`` (the model's generation
-    config) fill temperature / top_p / top_k / min_p / repetition_penalty the request left unset."""
+    config) fill temperature / top_p / top_k / min_p / repetition_penalty the request left unset.
+    ``max_tokens`` left unset: the configured ``default_max_tokens``, else the model's
+    ``max_new_tokens`` (as vLLM takes it), else the rest of the context; each at most that rest."""
     room = max_model_len - prompt_len
     if room < 1:
         raise context_too_long(
@@ -85,7 +87,8 @@ def sampling_for(
             f"the prompt.")
     requested = req.requested_max_tokens
     if requested is None:
-        max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
+        default = default_max_tokens if default_max_tokens is not None else defaults.max_tokens if defaults else None
+        max_tokens = room if default is None else min(room, default)
     elif requested > room:
         raise context_too_long(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

@@ -13,6 +13,8 @@
 //   (rope_store.h); pos, slots [B] int64; table [B, NB] int64; lens [B] int64 (= pos + 1).
 //   A `Lin` is one linear layer: W [n, k] fp32 / bf16 / int8 (kind 0 / 1 / 2), scale / bias [n]
 //   fp32 or null (small_linear.h); the weights of the norms are folded into qkv, gate_up, lm_head.
+//   Kind 3: int8 W with a scale per `group` inputs, scale [n, k / group], and the norm's gain [k]
+//   (or null) applied to the normed rows, as it cannot be folded into such a W (small_linear_group.h).
 // The caller checks every shape, dtype and index (the kernels trust them).
 #include <cstdint>
 #include <vector>
@@ -20,12 +22,15 @@
 #include "paged_decode.h"
 #include "rope_store.h"
 #include "small_linear.h"
+#include "small_linear_group.h"
 
 struct Lin {
   const void* w;
   const float* scale;
   const float* bias;
-  int64_t kind, n, k;  // kind: 0 fp32, 1 bf16, 2 int8
+  int64_t kind, n, k;  // kind: 0 fp32, 1 bf16, 2 int8, 3 int8 with group scales
+  int64_t group;       // kind 3: inputs per scale
+  const float* gain;   // kind 3: the RMSNorm gain [k] or null
 };
 
 struct StepLayer {
@@ -56,7 +61,11 @@ static void linear(const Lin& l, const X* x, const X* residual, X* y, int64_t M,
   switch (l.kind) {
     case 0: small_linear(x, (const float*)l.w, l.scale, l.bias, residual, y, M, l.n, l.k, pre, eps, nt); break;
     case 1: small_linear(x, (const uint16_t*)l.w, l.scale, l.bias, residual, y, M, l.n, l.k, pre, eps, nt); break;
-    default: small_linear(x, (const int8_t*)l.w, l.scale, l.bias, residual, y, M, l.n, l.k, pre, eps, nt); break;
+    case 2: small_linear(x, (const int8_t*)l.w, l.scale, l.bias, residual, y, M, l.n, l.k, pre, eps, nt); break;
+    default:
+      small_linear_group(x, (const int8_t*)l.w, l.scale, l.group, pre == PRE_RMS ? l.gain : nullptr, l.bias, residual,
+                         y, M, l.n, l.k, pre, eps, nt);
+      break;
   }
 }
 
