@@ -69,6 +69,7 @@ from router.protocol import (
     ModelCard,
     ModelList,
 )
+from router.response_format import check_grammar
 from router.tokenize import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -205,6 +206,7 @@ class Router:
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
                                 self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size, fmt.top_logprobs,
                                 self._codec.sampling_defaults)
+        await check_grammar(sampling.grammar, self._codec)
         inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
                               stop_strings=req.stop_strings, include_stop_str=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,

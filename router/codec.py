@@ -1,7 +1,8 @@
 """Text ↔ token ids for the router: the only model artefact a router replica loads.
 
 Owns: the `TextCodec` protocol the router programs against (a completion prompt's ids, chat
-template, per-token text for logprobs, a fresh incremental detokenizer per request) and
+template, per-token text for logprobs, a fresh incremental detokenizer per request, a structured
+output's grammar compiled against the tokenizer) and
 `EngineTextCodec`, its implementation over `engine.tokenizer.Tokenizer` +
 `engine.detokenizer.IncrementalDetokenizer`.
 Tests bring a fake as the `router.app.Router`'s ``codec_factory``.
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from engine.grammar import GrammarSpec
 from engine.sampling import SamplingDefaults
 from router.config import RouterConfig
 
@@ -59,6 +61,10 @@ class TextCodec(Protocol):
 
     def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...
 
+    async def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile ``spec`` for this tokenizer (cached); raises `GrammarError` naming what fails."""
+        ...
+
 
 class EngineTextCodec:
     """`TextCodec` over the engine's tokenizer of a prepared Hugging Face-style folder."""
@@ -67,6 +73,7 @@ class EngineTextCodec:
         from engine.config import ModelConfig
         from engine.tokenizer import Tokenizer
 
+        self._folder = folder
         self._tok = Tokenizer.from_dir(folder)
         self._max_len = ModelConfig.from_dir(folder).max_context
         self._eos = tuple(self._tok.eos_token_ids)
@@ -115,6 +122,12 @@ class EngineTextCodec:
         from engine.detokenizer import IncrementalDetokenizer
 
         return IncrementalDetokenizer(self._tok, skip_special_tokens)
+
+    async def compile_grammar(self, spec: GrammarSpec) -> None:
+        """The same compile, on the same ``tokenizer.json`` and EOS ids, as the pools' (off the event loop)."""
+        from engine.grammar import load_grammar
+
+        await load_grammar(spec, self._folder, self._eos)
 
 
 def load_codec(config: RouterConfig) -> TextCodec:

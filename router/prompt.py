@@ -2,7 +2,7 @@
 
 Owns: `completion_prompt`, `chat_prompt` (the chat template is applied here, in the router) and
 `sampling_for`, which enforces the context bound and fills the sampling settings a request left unset
-from the model's generation config.
+from the model's generation config, and the request's grammar (`router.response_format.grammar_for`).
 
 Invariants: a prompt is never empty and fits ``max_model_len`` with room for at least one token;
 ``prompt + max_tokens <= max_model_len`` when the client set ``max_tokens`` (otherwise the
@@ -21,6 +21,7 @@ from engine.sampling import SamplingDefaults, SamplingParams
 from router.codec import TextCodec
 from router.errors import bad_request, context_too_long
 from router.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from router.response_format import grammar_for
 
 
 def completion_prompt(req: CompletionRequest, codec: TextCodec) -> tuple[int, ...]:
@@ -115,6 +116,7 @@ def sampling_for(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs if logprobs else 0,
+            grammar=grammar_for(req.response_format),
         )
     except ValueError as e:
         raise bad_request(str(e)) from None

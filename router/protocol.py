@@ -9,8 +9,9 @@ every other field of the body before these models see it (refused ones at a non-
 400, the rest are dropped), so ``extra="ignore"`` drops nothing unaccounted for. A request that
 passes validation has a ``max_tokens`` that is None or >= 1, at most 4 non-empty stop strings, a
 non-empty prompt, only text content, ``logit_bias`` values in -100..100, ``min_tokens`` no
-larger than ``max_tokens`` and no ``prompt_logprobs`` on a stream (vLLM's rule); what needs the
-tokenizer or the served name (token ids inside the vocabulary, context length, model name) is
+larger than ``max_tokens``, no ``prompt_logprobs`` on a stream (vLLM's rule) and a
+``response_format`` of a served type and shape; what needs the tokenizer or the served name (token
+ids inside the vocabulary, context length, model name, whether llguidance compiles the schema) is
 checked by the app.
 """
 
@@ -32,6 +33,7 @@ from pydantic import (
 )
 
 from router.prompt_logprobs import PromptLogprobsList
+from router.response_format import ResponseFormat
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -67,6 +69,7 @@ class GenerationRequest(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None  # JSON keys are strings; pydantic reads them as ints
+    response_format: ResponseFormat | None = None  # structured outputs (vLLM takes it on completions too)
     # vLLM's extensions
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)

@@ -23,8 +23,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import llguidance
+
 from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
 from engine.errors import QueueFullError
+from engine.grammar import GrammarError, GrammarSpec
 from engine.load_report import LoadReport
 from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling import SamplingDefaults
@@ -109,6 +112,12 @@ class FakeCodec:
 
     def detokenizer(self, skip_special_tokens: bool = True) -> FakeDetokenizer:
         return FakeDetokenizer()
+
+    async def compile_grammar(self, spec: GrammarSpec) -> None:
+        """llguidance's own check without a vocabulary (this tokenizer has no tokenizer.json)."""
+        error = llguidance.LLMatcher.validate_grammar(spec.llguidance_grammar())
+        if error:
+            raise GrammarError(error)
 
 
 def fake_codec(_: RouterConfig) -> FakeCodec:
