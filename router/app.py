@@ -76,6 +76,8 @@ from router.tokenize import (
     detokenize,
     tokenize,
 )
+from router.tool_stream import ToolCallStream
+from router.tools import plan_tools
 
 logger = logging.getLogger("pdserve.router")
 
@@ -190,10 +192,12 @@ class Router:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-        prompt = chat_prompt(req, self._codec)
+        tools = plan_tools(req, self._codec)
+        prompt = chat_prompt(req, self._codec, tools.template_tools)
         fmt: Formatter = ChatFormatter(model=req.model, codec=self._codec, prompt_tokens=len(prompt),
                                        logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
-                                       include_usage=req.include_usage)
+                                       include_usage=req.include_usage,
+                                       tools=ToolCallStream(tools) if tools.reads_calls else None)
         return await self._run(req.stream, prompt, req, fmt)
 
     async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter

@@ -1,9 +1,9 @@
 """Text ↔ token ids for the router: the only model artefact a router replica loads.
 
-Owns: the `TextCodec` protocol the router programs against (a completion prompt's ids, chat
-template, per-token text for logprobs, a fresh incremental detokenizer per request) and
-`EngineTextCodec`, its implementation over `engine.tokenizer.Tokenizer` +
-`engine.detokenizer.IncrementalDetokenizer`.
+Owns: the `TextCodec` protocol the router programs against (a completion prompt's ids, the chat
+template: its source, whether it renders ``tools``, a chat's ids; per-token text for logprobs, a
+fresh incremental detokenizer per request) and `EngineTextCodec`, its implementation over
+`engine.tokenizer.Tokenizer` + `engine.detokenizer.IncrementalDetokenizer`.
 Tests bring a fake as the `router.app.Router`'s ``codec_factory``.
 
 Invariants: a codec is read-only after construction and shared by every request of a replica;
@@ -15,9 +15,9 @@ leaves unset.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.sampling import SamplingDefaults
 from router.config import RouterConfig
@@ -45,7 +45,18 @@ class TextCodec(Protocol):
     def encode_prompt(self, text: str) -> list[int]: ...
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]: ...
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template source (which tool-call format it teaches), None without one."""
+        ...
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders the request's ``tools``."""
+        ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids``, special tokens included (``/detokenize``)."""
@@ -93,12 +104,21 @@ class EngineTextCodec:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def chat_template(self) -> str | None:
+        return self._tok.chat_template
+
+    @property
+    def renders_tools(self) -> bool:
+        return self._tok.renders_tools
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Raises ValueError for conversations the template refuses (its ``raise_exception``)."""
         import jinja2
 
         try:
-            return self._tok.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
+            return self._tok.encode_chat(list(messages), add_generation_prompt=add_generation_prompt, tools=tools)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template: {e}") from None
 

@@ -2,15 +2,17 @@
 
 Owns: `CompletionRequest`, `ChatCompletionRequest` and the shapes we answer with, which follow
 OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` field for field so the official clients
-parse them.
+parse them. The tool-calling shapes (tools, tool choice, calls and their deltas) come from
+`router.tool_protocol`.
 
 Invariants: the fields declared here are the ones we serve; `router.fields.account` has checked
 every other field of the body before these models see it (refused ones at a non-default value are a
 400, the rest are dropped), so ``extra="ignore"`` drops nothing unaccounted for. A request that
 passes validation has a ``max_tokens`` that is None or >= 1, at most 4 non-empty stop strings, a
-non-empty prompt, only text content, ``logit_bias`` values in -100..100 and ``min_tokens`` no
-larger than ``max_tokens``; what needs the tokenizer or the served name (token ids inside the
-vocabulary, context length, model name) is checked by the app.
+non-empty prompt, only text content, ``logit_bias`` values in -100..100, ``min_tokens`` no
+larger than ``max_tokens`` and ``tool_calls`` only on assistant messages; what needs the tokenizer
+or the served name (token ids inside the vocabulary, context length, model name, what the chat
+template renders) is checked by the app.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from pydantic import (
     model_validator,
 )
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+from router.tool_protocol import DeltaToolCall, MessageToolCall, NamedToolChoice, ToolCall, ToolDef
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
 def new_id(prefix: str) -> str:
@@ -165,26 +169,33 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None  # an assistant's earlier tool calls: refused (no tools)
-    function_call: Any | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    function_call: Any | None = None  # the deprecated form of tool_calls: refused
 
     @model_validator(mode="before")
     @classmethod
     def _no_unserved_keys(cls, data: Any) -> Any:
-        """A message key we do not serve (``tool_call_id``, ``audio``, ``refusal``...) is refused when
-        it carries a value; empty ones (a client echoing a response's message back) are dropped."""
+        """A message key we do not serve (``audio``, ``refusal``...) is refused when it carries a
+        value; empty ones (a client echoing a response's message back) are dropped."""
         if isinstance(data, dict):
             for key, value in data.items():
                 if key not in cls.model_fields and value not in (None, "", [], {}):
                     raise ValueError(f"the message field {key!r} is not supported")
         return data
 
-    @field_validator("tool_calls", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_calls(cls, v: Any) -> Any:
+    def _no_function_call(cls, v: Any) -> Any:
         if v:
-            raise ValueError("tool calling is not supported")
+            raise ValueError("function_call (deprecated) is not supported; send tool_calls")
         return v
+
+    @model_validator(mode="after")
+    def _calls_from_the_assistant(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls are an assistant's, not a {self.role} message's")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -202,13 +213,19 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.text or "" for p in self.content)
 
-    def to_template(self) -> dict[str, str]:
+    def to_template(self) -> dict[str, Any]:
         """The ``{"role", "content"}`` dict chat templates expect (developer reads as system), with the
-        participant's ``name`` when given (templates that know it render it, as in vLLM)."""
+        participant's ``name``, an assistant's ``tool_calls`` (arguments as objects) and a tool
+        message's ``tool_call_id`` when given, as transformers and vLLM hand them to templates (a key
+        is present only with a value: templates test ``'tool_calls' in message``)."""
         role = "system" if self.role == "developer" else self.role
-        out = {"role": role, "content": self.text()}
+        out: dict[str, Any] = {"role": role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.to_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -218,6 +235,10 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # checked against each other and the model's template in router.tools
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -289,7 +310,15 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -314,6 +343,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -19,9 +19,10 @@ import asyncio
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
 from engine.errors import QueueFullError
@@ -74,6 +75,8 @@ class FakeCodec:
     sampling_defaults = SamplingDefaults()
     vocab_size = 256
     max_model_len = None
+    chat_template = None  # its chat format renders no tools
+    renders_tools = False
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) if ord(c) < 256 else ord("?") for c in text]
@@ -81,7 +84,8 @@ class FakeCodec:
     def encode_prompt(self, text: str) -> list[int]:
         return self.encode(text)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         if any(m["role"] == "assistant" and m["content"] == "RAISE" for m in messages):
             raise ValueError("Conversation roles must alternate")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
