@@ -8,7 +8,12 @@ points below 256; id 0 is EOS). Prompts steer the fakes with magic words:
 - ``CRASH1``: the prefill replica's process exits the first time (a marker file remembers);
 - ``MIDERR``: the decode stream sends two events, then an error event;
 - ``EOSAT<k>``: the k-th generated token is EOS (finish "stop");
-- ``SLOW``: 30 ms per decode event (for disconnect tests); otherwise 1 ms.
+- ``SLOW``: 30 ms per decode event (for disconnect tests); otherwise 1 ms;
+- ``SAY[[text]]``: the answer is ``text``, one character per token, then EOS (a scripted answer,
+  e.g. a tool call, through either pool).
+
+`FakeToolCodec` is the fake tokenizer with a chat template that renders tools (Hermes-style
+``<tool_call>`` markers), for the tool-calling tests.
 
 Decode replicas record every request whose stream was cancelled (`cancelled()`).
 """
@@ -16,6 +21,7 @@ Decode replicas record every request whose stream was cancelled (`cancelled()`).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import time
@@ -108,6 +114,31 @@ def fake_codec(_: RouterConfig) -> FakeCodec:
     return FakeCodec()
 
 
+class FakeToolCodec(FakeCodec):
+    """Renders the tools as ``<tools>[...]</tools>`` before the messages; teaches ``<tool_call>``."""
+
+    chat_template = "{{ tools }}{{ messages }} <tool_call></tool_call> tool_calls"
+    renders_tools = True
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        head = self.encode(f"<tools>{json.dumps(list(tools))}</tools>") if tools else []
+        return head + super().encode_chat(messages, add_generation_prompt)
+
+
+def fake_tool_codec(_: RouterConfig) -> FakeToolCodec:
+    return FakeToolCodec()
+
+
+SCRIPT = re.compile(r"SAY\[\[(.*?)\]\]", re.S)
+
+
+def script(prompt: str) -> str | None:
+    """The scripted answer a prompt asks for (``SAY[[text]]``), if any."""
+    m = SCRIPT.search(prompt)
+    return m.group(1) if m and m.group(1) else None
+
+
 def chat_prompt_ids(messages: Sequence[dict[str, str]]) -> list[int]:
     return FakeCodec().encode_chat(messages)
 
@@ -143,7 +174,8 @@ class FakePrefill:
             await asyncio.sleep(0.002)
         finally:
             self._running -= 1
-        token = successor(req.prompt_token_ids[-1])
+        said = script(text)
+        token = ord(said[0]) if said else successor(req.prompt_token_ids[-1])
         finished = req.sampling.max_tokens == 1
         handle = None if finished else KVHandle(
             transfer_id=req.request_id, source_host="127.0.0.1", source_port=9,
@@ -175,6 +207,7 @@ class FakeDecode:
         m = re.search(r"EOSAT(\d+)", text)
         eos_at = int(m.group(1)) if m else None
         delay = 0.03 if "SLOW" in text else 0.001
+        said = script(text)
         n_max = req.sampling.max_tokens
         t = req.prompt_token_ids[-1] if colocated else req.first_token_id
         assert t is not None
@@ -188,7 +221,10 @@ class FakeDecode:
                                      error="fake decode failure")
                     return
                 produced += 1
-                t = EOS if eos_at is not None and produced == eos_at else successor(t)
+                if said is not None:
+                    t = ord(said[produced - 1]) if produced <= len(said) else EOS
+                else:
+                    t = EOS if eos_at is not None and produced == eos_at else successor(t)
                 finish = "stop" if t == EOS else ("length" if produced == n_max else None)
                 timings = DecodeTimings(queue_s=0.001, transfer_s=0.001, prefill_s=0.002) if finish else None
                 yield TokenEvent(request_id=req.request_id, token_ids=(t,), logprobs=(LOGPROB,),
