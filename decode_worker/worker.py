@@ -2,8 +2,9 @@
 
 Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler`'s):
 
-1. ``generate(req)`` checks length and queue bound, creates a `Stream` and adds the sequence to
-   **waiting**. It then relays the stream's events to the caller until the final one.
+1. ``generate(req)`` compiles the request's grammar (off the event loop), checks length and queue
+   bound, creates a `Stream` (its sampler state: the matcher rebuilt from token 0) and adds the
+   sequence to **waiting**. It then relays the stream's events to the caller until the final one.
 2. The step loop calls ``schedule()``. An admitted sequence has blocks reserved for its prompt KV
    plus the next token and moves to **transferring**: disaggregated, a pull task imports the KV
    from the prefill replica's outbox (`KVImporter`); colocated, the worker prefills the prompt
@@ -13,7 +14,8 @@ Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler
    stream. Blocks are appended at block boundaries; when they run out the scheduler swaps the
    youngest sequence out to host memory (**swapped**) and back in later — the decode pool never
    recomputes, so it never runs a prefill in disaggregated mode.
-4. A stream ends on EOS (unless ``ignore_eos``), a stop id, ``max_tokens``, an error, or abort:
+4. A stream ends on EOS (unless ``ignore_eos``), a stop id, a complete grammar, ``max_tokens``, an
+   error (a token the request's grammar rejects is one, never emitted), or abort:
    the caller closing the stream frees its blocks before the next step (a transfer in flight is
    allowed to finish first, so nothing is ever written into blocks someone else owns).
 
@@ -38,6 +40,7 @@ from decode_worker.stream import Stream
 from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent, merge_events
 from engine.engine import Engine
 from engine.errors import QueueFullError
+from engine.grammar import GrammarVocab, load_grammar
 from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens
 from engine.runner import DecodeSeq, PrefillChunk
@@ -97,7 +100,8 @@ class DecodeWorker:
     async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
         """The stream's events: its first at once, then ``stream_interval`` tokens per event (fewer
         when the consumer catches up with the end); a token-less end follows the tokens before it."""
-        stream = self._admit(req)
+        vocab = await load_grammar(req.sampling.grammar, self.engine.model_dir, self.eos_ids)
+        stream = self._admit(req, vocab)
         interval = self.config.stream_interval
         held: TokenEvent | None = None  # tokens not yet sent, fewer than the interval
         sent = False
@@ -149,7 +153,7 @@ class DecodeWorker:
 
     # -- admission and abort ------------------------------------------------------------------
 
-    def _admit(self, req: DecodeRequest) -> Stream:
+    def _admit(self, req: DecodeRequest, vocab: GrammarVocab | None = None) -> Stream:
         n_prompt = len(req.prompt_token_ids)
         if self.colocated != (req.handle is None):
             raise ValueError(
@@ -163,7 +167,7 @@ class DecodeWorker:
         if self._queued_beyond_free_slots() >= self.config.max_queue:
             raise QueueFullError(f"decode queue is full ({self.config.max_queue} waiting)", 1.0)
         sampled = () if req.first_token_id is None else (req.first_token_id,)  # token 0, from the prefill
-        sampler = SamplerState.new(req.sampling, req.prompt_token_ids, sampled, self.eos_ids)
+        sampler = SamplerState.new(req.sampling, req.prompt_token_ids, sampled, self.eos_ids, vocab)
         stream = Stream(req=req, sampler=sampler)
         if not self.colocated:
             assert req.first_token_id is not None
@@ -344,13 +348,17 @@ class DecodeWorker:
             self._emit(st, tok, lp, top)
 
     def _emit(self, st: Stream, tok: int, lp: float, top: TopLogprobs = ()) -> None:
+        grammar = st.sampler.grammar
+        if grammar is not None and grammar.error is not None:  # never emit a token the grammar rejected
+            self._end(st, "error", grammar.error)
+            return
         if st.decode_started is None:
             st.decode_started = time.monotonic()
         st.generated.append(tok)  # disaggregated streams start with token 0 from the prefill
         st.next_token = tok
         params = st.req.sampling
         reason = None
-        if params.is_stop(tok, self.eos_ids):
+        if params.is_stop(tok, self.eos_ids) or (grammar is not None and grammar.done):
             reason = "stop"
         elif len(st.generated) >= params.max_tokens:
             reason = "length"

@@ -41,7 +41,7 @@ class PrefillResult:
     token_id: int
     logprob: float | None
     handle: KVHandle | None
-    finished: bool = False  # token 0 ended the request (EOS, stop id, max_tokens == 1)
+    finished: bool = False  # token 0 ended the request (EOS, stop id, max_tokens == 1, grammar complete)
     finish_reason: str | None = None  # "stop" | "length" when finished
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     timings: PrefillTimings = field(default_factory=PrefillTimings)

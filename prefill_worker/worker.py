@@ -14,8 +14,10 @@ Life cycle of a request (each name is a queue or a state in this file):
    and short prompts pass it between its chunks; several short prompts share one forward.
 4. After its last chunk a job samples token 0, registers its full blocks in the prefix cache, and
    its blocks move to the **outbox** under a lease; the caller gets a `PrefillResult` with a
-   `KVHandle`. If token 0 already ends the request (EOS, a stop id, ``max_tokens == 1``) the blocks
-   are freed at once and the result has no handle.
+   `KVHandle`. If token 0 already ends the request (EOS, a stop id, ``max_tokens == 1``, a complete
+   grammar) the blocks are freed at once and the result has no handle. Token 0 is sampled under the
+   request's grammar (compiled, off the event loop, before the job is queued); a token the grammar
+   rejects fails the request rather than leave this worker.
 5. The decode side pulls the blocks and sends DONE (or RELEASE); the outbox frees them then, or
    when the lease expires.
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 
 from engine.engine import Engine
 from engine.errors import QueueFullError
+from engine.grammar import GrammarError, load_grammar
 from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens, wants_more
 from engine.runner import PrefillChunk
@@ -56,6 +59,7 @@ class _Job:
     req: PrefillRequest
     future: asyncio.Future[PrefillResult]
     enqueued: float
+    sampler: SamplerState
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0
     computed: int = 0  # prompt tokens whose KV is written (cached prefix included)
@@ -113,7 +117,10 @@ class PrefillWorker:
             )
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFullError(f"prefill queue is full ({self.config.max_queue} waiting)", 1.0)
-        job = _Job(req=req, future=asyncio.get_running_loop().create_future(), enqueued=time.monotonic())
+        vocab = await load_grammar(req.sampling.grammar, self.engine.model_dir, self.eos_ids)
+        sampler = SamplerState.new(req.sampling, req.prompt_token_ids, eos_ids=self.eos_ids, vocab=vocab)
+        job = _Job(req=req, future=asyncio.get_running_loop().create_future(), enqueued=time.monotonic(),
+                   sampler=sampler)
         self.waiting.append(job)
         self._loop.wake()
         try:
@@ -192,9 +199,12 @@ class PrefillWorker:
 
     def _finish(self, job: _Job, logits_row: object) -> None:
         req = job.req
-        state = SamplerState.new(req.sampling, req.prompt_token_ids, eos_ids=self.eos_ids)
-        out = sample(logits_row, [state])  # type: ignore[arg-type]
+        grammar = job.sampler.grammar
+        out = sample(logits_row, [job.sampler])  # type: ignore[arg-type]
         token, logprob, top = out.token_ids[0], out.logprobs[0], out.top[0]
+        if grammar is not None and grammar.error is not None:  # never hand on a token it rejected
+            self._fail(job, GrammarError(grammar.error))
+            return
         pool = self.engine.pool
         pool.commit_full_blocks(job.blocks, job.prompt)
         timings = PrefillTimings(
@@ -203,7 +213,7 @@ class PrefillWorker:
             num_chunks=job.num_chunks,
         )
         self.num_prefilled += 1
-        stop = req.sampling.is_stop(token, self.eos_ids)
+        stop = req.sampling.is_stop(token, self.eos_ids) or (grammar is not None and grammar.done)
         if stop or req.sampling.max_tokens == 1 or job.future.done():  # done: the caller gave up
             pool.free(job.blocks)
             result = PrefillResult(

@@ -61,7 +61,7 @@ from router.fields import account
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_format import DONE, ChatFormatter, CompletionFormatter, Formatter, sse
-from router.prompt import chat_prompt, completion_prompt, echo_text, sampling_for
+from router.prompt import chat_prompt, check_grammar, completion_prompt, echo_text, sampling_for
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -206,6 +206,7 @@ class Router:
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
                                 self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size, fmt.top_logprobs,
                                 self._codec.sampling_defaults)
+        await check_grammar(sampling.grammar, self._codec)
         inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
                               stop_strings=req.stop_strings, include_stop_str=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens, arrival_mono=arrival_mono)

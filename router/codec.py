@@ -2,8 +2,9 @@
 
 Owns: the `TextCodec` protocol the router programs against (a completion prompt's ids, the chat
 template: its source, whether it renders ``tools``, a chat's ids; per-token text for logprobs, a
-fresh incremental detokenizer per request) and `EngineTextCodec`, its implementation over
-`engine.tokenizer.Tokenizer` + `engine.detokenizer.IncrementalDetokenizer`.
+fresh incremental detokenizer per request, a structured output's grammar compiled against the
+tokenizer) and `EngineTextCodec`, its implementation over `engine.tokenizer.Tokenizer` +
+`engine.detokenizer.IncrementalDetokenizer`.
 Tests bring a fake as the `router.app.Router`'s ``codec_factory``.
 
 Invariants: a codec is read-only after construction and shared by every request of a replica;
@@ -19,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from engine.grammar import GrammarSpec
 from engine.sampling import SamplingDefaults
 from router.config import RouterConfig
 
@@ -70,6 +72,10 @@ class TextCodec(Protocol):
 
     def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...
 
+    async def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile ``spec`` for this tokenizer (cached); raises `GrammarError` naming what fails."""
+        ...
+
 
 class EngineTextCodec:
     """`TextCodec` over the engine's tokenizer of a prepared Hugging Face-style folder."""
@@ -78,6 +84,7 @@ class EngineTextCodec:
         from engine.config import ModelConfig
         from engine.tokenizer import Tokenizer
 
+        self._folder = folder
         self._tok = Tokenizer.from_dir(folder)
         self._max_len = ModelConfig.from_dir(folder).max_position_embeddings
         self._eos = tuple(self._tok.eos_token_ids)
@@ -135,6 +142,12 @@ class EngineTextCodec:
         from engine.detokenizer import IncrementalDetokenizer
 
         return IncrementalDetokenizer(self._tok, skip_special_tokens)
+
+    async def compile_grammar(self, spec: GrammarSpec) -> None:
+        """The same compile, on the same ``tokenizer.json`` and EOS ids, as the pools' (off the event loop)."""
+        from engine.grammar import load_grammar
+
+        await load_grammar(spec, self._folder, self._eos)
 
 
 def load_codec(config: RouterConfig) -> TextCodec:

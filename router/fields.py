@@ -33,6 +33,7 @@ Served fields (both endpoints unless marked):
 | top_k, min_p, repetition_penalty, min_tokens | vLLM's extensions, as vLLM defines them |
 | ignore_eos, stop_token_ids | vLLM's extensions, as vLLM defines them |
 | skip_special_tokens, include_stop_str_in_output | vLLM's extensions, as vLLM defines them |
+| response_format | text, json_object, json_schema (always enforced) by llguidance; uncompilable: 400 |
 | tools, tool_choice, parallel_tool_calls (chat) | function tools; none, auto, required, named: `router.tools` |
 """
 
@@ -58,6 +59,8 @@ class Refused:
         return value is None or any(type(value) is type(d) and value == d for d in self.defaults)
 
 
+_GUIDED = Refused("only response_format's json_object and json_schema constrain the output")
+
 # Refused unless at their default: each would change the output in a way we do not build (yet).
 REFUSED: dict[str, Refused] = {
     # OpenAI, both endpoints
@@ -67,8 +70,6 @@ REFUSED: dict[str, Refused] = {
     "echo": Refused("echo is served on /v1/completions only", (False,)),
     "suffix": Refused("the model has no insert (suffix) mode", ("",)),
     # OpenAI, chat
-    "response_format": Refused("structured outputs (json_object, json_schema) are not supported",
-                               ({"type": "text"},)),
     "tools": Refused("tools are served on /v1/chat/completions only", ([],)),
     "tool_choice": Refused("tool_choice is served on /v1/chat/completions only", ("none", "auto")),
     "parallel_tool_calls": Refused("parallel_tool_calls is served on /v1/chat/completions only", (True,)),
@@ -86,11 +87,11 @@ REFUSED: dict[str, Refused] = {
     "prompt_logprobs": Refused("prompt log-probs are not supported", ()),
     "allowed_token_ids": Refused("allowed_token_ids is not supported", ([],)),
     "bad_words": Refused("bad_words is not supported", ([],)),
-    "guided_json": Refused("structured outputs are not supported", ()),
-    "guided_regex": Refused("structured outputs are not supported", ()),
-    "guided_choice": Refused("structured outputs are not supported", ()),
-    "guided_grammar": Refused("structured outputs are not supported", ()),
-    "structured_outputs": Refused("structured outputs are not supported", ()),
+    "guided_json": _GUIDED,
+    "guided_regex": _GUIDED,
+    "guided_choice": _GUIDED,
+    "guided_grammar": _GUIDED,
+    "structured_outputs": _GUIDED,
     "logits_processors": Refused("custom logits processors are not supported", ([],)),
     "truncate_prompt_tokens": Refused("prompt truncation is not supported", ()),
     "spaces_between_special_tokens": Refused("special tokens are always decoded without added spaces",

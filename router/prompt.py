@@ -2,7 +2,8 @@
 
 Owns: `completion_prompt`, `chat_prompt` (the chat template is applied here, in the router) and
 `sampling_for`, which enforces the context bound and fills the sampling settings a request left unset
-from the model's generation config.
+from the model's generation config, and the request's grammar (`grammar_for`: ``response_format`` →
+`GrammarSpec`; `check_grammar`: compiled against the model's tokenizer, or a 400).
 
 Invariants: a prompt is never empty and fits ``max_model_len`` with room for at least one token;
 ``prompt + max_tokens <= max_model_len`` when the client set ``max_tokens`` (otherwise the
@@ -17,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from engine.grammar import GrammarError, GrammarSpec
 from engine.sampling import SamplingDefaults, SamplingParams
 from router.codec import TextCodec
 from router.errors import bad_request, context_too_long
-from router.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from router.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, ResponseFormat
 
 
 def completion_prompt(req: CompletionRequest, codec: TextCodec) -> tuple[int, ...]:
@@ -114,10 +116,31 @@ def sampling_for(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs if logprobs else 0,
+            grammar=grammar_for(req.response_format),
         )
     except ValueError as e:
         raise bad_request(str(e)) from None
 
+
+
+def grammar_for(fmt: ResponseFormat | None) -> GrammarSpec | None:
+    """``response_format`` → the grammar the output must match (``text``: none)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return GrammarSpec("json_object")
+    return GrammarSpec("json_schema", fmt.schema_text or "")
+
+
+async def check_grammar(spec: GrammarSpec | None, codec: TextCodec) -> None:
+    """A grammar llguidance cannot compile against the model's tokenizer is a 400 naming
+    ``response_format``, before any prefill (the pools compile the same spec the same way)."""
+    if spec is None:
+        return
+    try:
+        await codec.compile_grammar(spec)
+    except GrammarError as e:
+        raise bad_request(f"response_format: the schema cannot be enforced: {e}", param="response_format") from None
 
 
 def _setting(req: GenerationRequest, name: str, defaults: SamplingDefaults | None) -> Any:

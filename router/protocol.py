@@ -9,14 +9,16 @@ Invariants: the fields declared here are the ones we serve; `router.fields.accou
 every other field of the body before these models see it (refused ones at a non-default value are a
 400, the rest are dropped), so ``extra="ignore"`` drops nothing unaccounted for. A request that
 passes validation has a ``max_tokens`` that is None or >= 1, at most 4 non-empty stop strings, a
-non-empty prompt, only text content, ``logit_bias`` values in -100..100, ``min_tokens`` no
-larger than ``max_tokens`` and ``tool_calls`` only on assistant messages; what needs the tokenizer
-or the served name (token ids inside the vocabulary, context length, model name, what the chat
-template renders) is checked by the app.
+non-empty prompt, only text content, ``logit_bias`` values in -100..100, ``min_tokens`` no larger
+than ``max_tokens``, a ``response_format`` of a served type and shape and ``tool_calls`` only on
+assistant messages; what needs the tokenizer or the served name (token ids inside the vocabulary,
+context length, model name, whether llguidance compiles the schema, what the chat template
+renders) is checked by the app.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -50,6 +52,48 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (``json_schema`` holds ``name``, ``schema``: a JSON Schema object, and optional
+    ``description`` / ``strict``; the schema is enforced whether ``strict`` is true or not). Every
+    error names the field itself (the app maps it to ``param: response_format``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise ValueError("must be an object with a 'type'")
+        kind = data.get("type")
+        if kind not in RESPONSE_FORMATS:
+            raise ValueError(f"type {kind!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}")
+        spec = data.get("json_schema")
+        if kind != "json_schema":
+            if spec is not None:
+                raise ValueError(f"json_schema goes with type 'json_schema', not {kind!r}")
+            return data
+        if not isinstance(spec, dict):
+            raise ValueError("type 'json_schema' needs a json_schema object")
+        if not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise ValueError("json_schema.name is required")
+        if not isinstance(spec.get("schema"), dict):
+            raise ValueError("json_schema.schema is required: a JSON Schema object")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise ValueError("json_schema.strict must be a boolean")
+        return data
+
+    @property
+    def schema_text(self) -> str | None:
+        """The schema's JSON text (``json_schema``), else None."""
+        return None if self.json_schema is None else json.dumps(self.json_schema["schema"])
+
+
 class GenerationRequest(BaseModel):
     """Fields both endpoints share."""
 
@@ -67,6 +111,7 @@ class GenerationRequest(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None  # JSON keys are strings; pydantic reads them as ints
+    response_format: ResponseFormat | None = None  # structured outputs (vLLM takes it on completions too)
     # vLLM's extensions
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)

@@ -50,7 +50,7 @@ def test_each_refused_field_is_a_400_naming_it(name: str) -> None:
 
 @pytest.mark.parametrize(("name", "value"), [
     ("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
-    ("response_format", {"type": "json_object"}), ("echo", True), ("best_of", 3), ("suffix", "x"),
+    ("echo", True), ("best_of", 3), ("suffix", "x"),
     ("modalities", ["text", "audio"]), ("use_beam_search", True), ("guided_json", {"type": "object"}),
 ])
 def test_realistic_refusals(name: str, value: object) -> None:
@@ -61,7 +61,7 @@ def test_realistic_refusals(name: str, value: object) -> None:
 
 @pytest.mark.parametrize(("name", "value"), [
     ("n", 1), ("n", None), ("tools", []), ("tool_choice", "none"), ("tool_choice", "auto"),
-    ("response_format", {"type": "text"}), ("echo", False), ("best_of", 1), ("suffix", ""),
+    ("echo", False), ("best_of", 1), ("suffix", ""),
     ("modalities", ["text"]), ("parallel_tool_calls", False), ("user", "u1"), ("store", True),
     ("metadata", {"k": "v"}), ("service_tier", "auto"), ("safety_identifier", "x"),
 ])

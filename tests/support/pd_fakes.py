@@ -30,8 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import llguidance
+
 from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
 from engine.errors import QueueFullError
+from engine.grammar import GrammarError, GrammarSpec
 from engine.load_report import LoadReport
 from engine.sampling import SamplingDefaults
 from kv_transfer.handle import KVHandle
@@ -108,6 +111,12 @@ class FakeCodec:
 
     def detokenizer(self, skip_special_tokens: bool = True) -> FakeDetokenizer:
         return FakeDetokenizer()
+
+    async def compile_grammar(self, spec: GrammarSpec) -> None:
+        """llguidance's own check without a vocabulary (this tokenizer has no tokenizer.json)."""
+        error = llguidance.LLMatcher.validate_grammar(spec.llguidance_grammar())
+        if error:
+            raise GrammarError(error)
 
 
 def fake_codec(_: RouterConfig) -> FakeCodec:
