@@ -3,7 +3,8 @@
 Owns: `ToolPlan` (per request: the mode, the tools handed to the chat template, the output parser,
 the JSON schema a forced call is constrained to) and `plan_tools`, which builds it or refuses the
 request with a 400 naming the field at fault; `required_schema`, the output schema of
-``tool_choice: required`` (a named function's is its ``parameters``).
+``tool_choice: required`` (a named function's is its ``parameters``), and `tool_grammar`, that
+schema as the request's grammar (`engine.grammar.GrammarSpec`), checked against the tokenizer.
 
 Modes (``tool_choice``; without one, ``auto`` when there are tools, else ``none``). The tools are
 rendered into the prompt whenever the template renders them; then
@@ -28,6 +29,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from engine.grammar import GrammarError, GrammarSpec
 from router.codec import TextCodec
 from router.errors import APIError, bad_request
 from router.protocol import ChatCompletionRequest
@@ -76,8 +78,8 @@ def plan_tools(req: ChatCompletionRequest, codec: TextCodec) -> ToolPlan:
     if choice == "auto":
         return _auto(req, codec, rendered, strict)
     if choice == "required":
-        return _forced(ToolPlan("required", rendered, parallel=req.parallel_tool_calls,
-                                schema=json.dumps(required_schema(params, req.parallel_tool_calls))))
+        return ToolPlan("required", rendered, parallel=req.parallel_tool_calls,
+                        schema=json.dumps(required_schema(params, req.parallel_tool_calls)))
     assert not isinstance(choice, str)
     if choice.type != "function":
         raise _refuse("tool_choice", f"tool_choice type {choice.type!r} is not supported; only 'function' is")
@@ -85,12 +87,24 @@ def plan_tools(req: ChatCompletionRequest, codec: TextCodec) -> ToolPlan:
     if name not in params:
         raise _refuse("tool_choice", f"tool_choice names the function {name!r}, which is not among the "
                                      f"tools ({', '.join(sorted(params))})")
-    return _forced(ToolPlan("named", rendered, function=name, parallel=False, schema=json.dumps(params[name])))
+    return ToolPlan("named", rendered, function=name, parallel=False, schema=json.dumps(params[name]))
 
 
-def _forced(plan: ToolPlan) -> ToolPlan:
-    raise _refuse("tool_choice", "tool_choice 'required' and named functions need structured outputs (a "
-                                 "grammar constrains the output to a call), which are not supported")
+async def tool_grammar(plan: ToolPlan, req: ChatCompletionRequest, codec: TextCodec) -> GrammarSpec | None:
+    """The grammar of a forced call (``required`` / named), compiled against the model's tokenizer as
+    the pools will compile it: a 400 naming ``tools`` when a parameters schema cannot be enforced,
+    one naming ``tool_choice`` when ``response_format`` constrains the output as well."""
+    if plan.schema is None:
+        return None
+    if req.response_format is not None and req.response_format.type != "text":
+        raise _refuse("tool_choice", "a forced tool call and response_format both constrain the output; "
+                                     "send one of them")
+    spec = GrammarSpec("json_schema", plan.schema)
+    try:
+        await codec.compile_grammar(spec)
+    except GrammarError as e:
+        raise _refuse("tools", f"the functions' parameters schemas cannot be enforced: {e}") from None
+    return spec
 
 
 def _auto(req: ChatCompletionRequest, codec: TextCodec, rendered: tuple[dict[str, Any], ...],

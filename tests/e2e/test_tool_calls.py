@@ -170,10 +170,30 @@ def test_without_parallel_calls_the_first_is_kept(apps: dict[str, str]) -> None:
     assert calls(got.message) == [("get_weather", {"city": "Paris"})] and got.finish_reason == "tool_calls"
 
 
+def test_forced_calls_come_back_as_tool_calls(apps: dict[str, str]) -> None:
+    """The fakes ignore the grammar: the script stands for the output it would constrain."""
+    c = client(apps, "fake")
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    one = c.chat.completions.create(model="tiny", messages=ask('{"city": "Paris"}'),  # type: ignore[arg-type]
+                                    tools=[WEATHER, CLOCK], tool_choice=named, max_tokens=400).choices[0]  # type: ignore[list-item]
+    assert (one.finish_reason, one.message.content) == ("stop", None)  # OpenAI's reason for a named call
+    assert calls(one.message) == [("get_weather", {"city": "Paris"})]
+    with c.chat.completions.stream(model="tiny", messages=ask('{"city": "Paris"}'),  # type: ignore[arg-type]
+                                   tools=[WEATHER, CLOCK], tool_choice=named, max_tokens=400) as stream:  # type: ignore[list-item]
+        assert calls(stream.get_final_completion().choices[0].message) == calls(one.message)
+    both = [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]
+    many = c.chat.completions.create(model="tiny", messages=ask(json.dumps(both)),  # type: ignore[arg-type]
+                                     tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=400).choices[0]  # type: ignore[list-item]
+    assert many.finish_reason == "tool_calls" and calls(many.message) == [(b["name"], b["arguments"]) for b in both]
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "tools"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(apps: dict[str, str], fields: dict[str, Any],
                                                      param: str) -> None:

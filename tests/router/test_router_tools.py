@@ -18,6 +18,7 @@ import transformers
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
+from engine.grammar import GrammarSpec
 from router.codec import EngineTextCodec
 from router.errors import APIError
 from router.generation import Delta
@@ -25,7 +26,7 @@ from router.openai_format import ChatFormatter
 from router.prompt import chat_prompt
 from router.protocol import ChatCompletionRequest
 from router.tool_stream import ToolCallStream
-from router.tools import ToolPlan, plan_tools, required_schema
+from router.tools import NO_PARAMETERS, ToolPlan, plan_tools, required_schema, tool_grammar
 from tests.support.models import bundled_tokenizer_dir, make_tiny_chat_model
 from tests.support.pd_fakes import FakeCodec
 from tests.support.tool_templates import LLAMA3_1_JSON, QWEN2_5, set_chat_template
@@ -67,6 +68,32 @@ def test_modes(qwen: EngineTextCodec, llama: EngineTextCodec, smollm: EngineText
         ToolPlan("auto", (WEATHER,), parser="llama3_json", parallel=False)
     assert plan_tools(chat(tools=[WEATHER], tool_choice="none"), qwen) == ToolPlan("none", (WEATHER,))
     assert plan_tools(chat(tools=[WEATHER], tool_choice="none"), smollm) == ToolPlan("none")  # nothing to render
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert plan_tools(chat(tools=[WEATHER, CLOCK], tool_choice=named), smollm) == ToolPlan(
+        "named", function="get_weather", parallel=False, schema=json.dumps(WEATHER["function"]["parameters"]))
+    params = {"get_weather": WEATHER["function"]["parameters"], "get_time": CLOCK["function"]["parameters"]}
+    assert plan_tools(chat(tools=[WEATHER, CLOCK], tool_choice="required"), qwen) == ToolPlan(
+        "required", (WEATHER, CLOCK), schema=json.dumps(required_schema(params, parallel=True)))
+    no_params = {"type": "function", "function": {"name": "ping"}}
+    assert plan_tools(chat(tools=[no_params], tool_choice={"type": "function", "function": {"name": "ping"}}),
+                      smollm).schema == json.dumps(NO_PARAMETERS)
+
+
+async def test_a_forced_call_is_the_requests_grammar(smollm: EngineTextCodec) -> None:
+    named = chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert await tool_grammar(plan_tools(named, smollm), named, smollm) == \
+        GrammarSpec("json_schema", json.dumps(WEATHER["function"]["parameters"]))
+    assert await tool_grammar(plan_tools(chat(tools=[WEATHER], tool_choice="none"), smollm), named, smollm) is None
+    both = chat(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
+    with pytest.raises(APIError) as e:
+        await tool_grammar(plan_tools(both, smollm), both, smollm)
+    assert e.value.param == "tool_choice" and "response_format" in e.value.message
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "nope"}}}}}
+    bad = chat(tools=[odd], tool_choice="required")
+    with pytest.raises(APIError) as e:
+        await tool_grammar(plan_tools(bad, smollm), bad, smollm)
+    assert e.value.status == 400 and e.value.param == "tools" and "nope" in e.value.message
 
 
 @pytest.mark.parametrize(("fields", "param", "words"), [
