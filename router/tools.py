@@ -26,12 +26,14 @@ template that renders them (else a 400 naming ``messages``, never silently dropp
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.grammar import GrammarError, GrammarSpec
 from router.codec import TextCodec
 from router.errors import APIError, bad_request
+from router.messages import ChatMessage
 from router.protocol import ChatCompletionRequest
 from router.tool_parsers import PARSERS, parser_for_template
 
@@ -58,7 +60,7 @@ class ToolPlan:
 
 def plan_tools(req: ChatCompletionRequest, codec: TextCodec) -> ToolPlan:
     """The request's `ToolPlan`, or a 400 naming ``tools``, ``tool_choice`` or ``messages``."""
-    _check_history(req, codec)
+    check_history(req.messages, codec)
     tools = req.tools or []
     params: dict[str, dict[str, Any]] = {}
     strict = False
@@ -125,9 +127,10 @@ def _auto(req: ChatCompletionRequest, codec: TextCodec, rendered: tuple[dict[str
     return ToolPlan("auto", rendered, parser=parser, parallel=req.parallel_tool_calls)
 
 
-def _check_history(req: ChatCompletionRequest, codec: TextCodec) -> None:
-    """Earlier tool calls in the history reach the model only through a template that renders them."""
-    at = next((i for i, m in enumerate(req.messages) if m.tool_calls), None)
+def check_history(messages: Sequence[ChatMessage], codec: TextCodec) -> None:
+    """Earlier tool calls in the history reach the model only through a template that renders them
+    (also for ``/tokenize``, whose ids must be a chat completion's)."""
+    at = next((i for i, m in enumerate(messages) if m.tool_calls), None)
     if at is not None and "tool_calls" not in (codec.chat_template or ""):
         raise _refuse("messages", f"messages[{at}] has tool_calls, which the model's chat template does "
                                   "not render")

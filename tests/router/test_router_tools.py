@@ -25,6 +25,7 @@ from router.generation import Delta
 from router.openai_format import ChatFormatter
 from router.prompt import chat_prompt
 from router.protocol import ChatCompletionRequest
+from router.tokenize import TokenizeChatRequest, tokenize
 from router.tool_stream import ToolCallStream
 from router.tools import NO_PARAMETERS, ToolPlan, plan_tools, required_schema, tool_grammar
 from tests.support.models import bundled_tokenizer_dir, make_tiny_chat_model
@@ -124,6 +125,18 @@ def test_a_template_without_tools_refuses_auto_and_earlier_calls(smollm: EngineT
     tool_answer = [USER, {"role": "tool", "tool_call_id": "c1", "content": "21 C"}]
     assert plan_tools(ChatCompletionRequest.model_validate({"model": "m", "messages": tool_answer}),
                       smollm) == ToolPlan("none")  # a tool message is a role its template renders
+
+
+def test_tokenize_counts_the_history_as_a_chat_completion_would(qwen: EngineTextCodec,
+                                                                 smollm: EngineTextCodec) -> None:
+    history = [USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21 C"}]
+    body = TokenizeChatRequest.model_validate({"messages": history})
+    assert tokenize(body, qwen, 4096).tokens == list(chat_prompt(chat(messages=history), qwen))
+    with pytest.raises(APIError) as e:
+        tokenize(body, smollm, 4096)
+    assert e.value.param == "messages"
 
 
 def test_required_schema_is_one_call_of_any_tool_or_a_list() -> None:
