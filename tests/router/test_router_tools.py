@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
@@ -145,6 +147,41 @@ def test_required_schema_is_one_call_of_any_tool_or_a_list() -> None:
     assert [b["properties"]["name"] for b in one["anyOf"]] == [{"const": "get_weather"}, {"const": "get_time"}]
     assert one["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
     assert required_schema(params, parallel=True) == {"type": "array", "items": one, "minItems": 1}
+
+
+SCHEMAS = [None, {}, {"type": "object"}, WEATHER["function"]["parameters"], {"type": "nope"}, {"type": "string"},
+           {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}},
+           {"type": "string", "pattern": "(?<=a)b"}, {"$ref": "#/$defs/missing"}]
+TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "custom"]), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["a", "b", "get_weather"])},
+    optional={"parameters": st.sampled_from(SCHEMAS), "strict": st.booleans()})})
+CHOICE = st.one_of(st.sampled_from(["none", "auto", "required"]), st.builds(
+    lambda kind, name: {"type": kind, "function": {"name": name}}, st.sampled_from(["function", "custom"]),
+    st.sampled_from(["a", "b", "zz"])))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tools=st.lists(TOOL, max_size=3), choice=st.one_of(st.none(), CHOICE), parallel=st.booleans(),
+       which=st.sampled_from(["qwen", "smollm"]), json_format=st.booleans())
+async def test_any_combination_is_a_plan_or_a_400_naming_a_tool_field(
+        request: pytest.FixtureRequest, tools: list[dict[str, Any]], choice: Any, parallel: bool, which: str,
+        json_format: bool) -> None:
+    codec: EngineTextCodec = request.getfixturevalue(which)
+    fields: dict[str, Any] = {"tools": tools, "parallel_tool_calls": parallel}
+    if choice is not None:
+        fields["tool_choice"] = choice
+    if json_format:
+        fields["response_format"] = {"type": "json_object"}
+    req = chat(**fields)
+    try:
+        plan = plan_tools(req, codec)
+        grammar = await tool_grammar(plan, req, codec)
+    except APIError as e:
+        assert e.status == 400 and e.param in ("tools", "tool_choice"), e.message
+        return
+    assert (grammar is not None) == (plan.mode in ("required", "named"))
+    if plan.reads_calls:
+        ToolCallStream(plan).push('{"a": 1}', final=True)
 
 
 # ------------------------------------------------------------------------------ the prompt, as HF's
