@@ -195,6 +195,8 @@ class Router:
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         tools = plan_tools(req, self._codec)
+        if tools.keep_special_tokens:  # the tool-call markers are special tokens: the parser must see them
+            req = req.model_copy(update={"skip_special_tokens": False})
         grammar = await tool_grammar(tools, req, self._codec)
         prompt = chat_prompt(req, self._codec, tools.template_tools)
         fmt: Formatter = ChatFormatter(model=req.model, codec=self._codec, prompt_tokens=len(prompt),

@@ -70,6 +70,11 @@ class TextCodec(Protocol):
         """Each id's spelling in the vocabulary (byte-level, e.g. ``"Ġhello"``), for ``/tokenize``."""
         ...
 
+    def is_special_token(self, text: str) -> bool:
+        """Whether ``text`` is one special token (dropped from the text unless ``skip_special_tokens``
+        is false)."""
+        ...
+
     def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer: ...
 
     async def compile_grammar(self, spec: GrammarSpec) -> None:
@@ -134,6 +139,10 @@ class EngineTextCodec:
 
     def token_strs(self, token_ids: Sequence[int]) -> list[str]:
         return [self._tok.id_to_token(t) or "" for t in token_ids]
+
+    def is_special_token(self, text: str) -> bool:
+        token_id = self._tok.token_to_id(text)
+        return token_id is not None and token_id in self._tok.special_token_ids
 
     def token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)

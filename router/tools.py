@@ -20,7 +20,9 @@ rendered into the prompt whenever the template renders them; then
 Invariants: only ``function`` tools, with distinct names; a named choice names one of them;
 ``strict`` schemas only where a grammar enforces them (required / named), since under ``auto`` the
 arguments are whatever the model wrote; an assistant message's ``tool_calls`` only reach a
-template that renders them (else a 400 naming ``messages``, never silently dropped).
+template that renders them (else a 400 naming ``messages``, never silently dropped); where the
+tokenizer makes a format's markers special tokens, ``auto`` decodes special tokens
+(``keep_special_tokens``, as vLLM's parsers do), since a skipped marker would hide every call.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ToolPlan:
     parser: str | None = None  # auto: the registered format the output is parsed with
     function: str | None = None  # named: the function the output is the arguments of
     parallel: bool = True  # several calls in one answer (parallel_tool_calls)
+    keep_special_tokens: bool = False  # auto: the format's markers are special tokens: decode them
     schema: str | None = None  # required / named: the JSON schema (text) the output must match
 
     @property
@@ -124,7 +127,8 @@ def _auto(req: ChatCompletionRequest, codec: TextCodec, rendered: tuple[dict[str
         raise _refuse("tools", "strict function schemas are enforced only with tool_choice 'required' or a "
                                "named function (a grammar constrains the output); under 'auto' the model's "
                                "calls are parsed, not constrained")
-    return ToolPlan("auto", rendered, parser=parser, parallel=req.parallel_tool_calls)
+    special = any(codec.is_special_token(m) for m in PARSERS[parser].markers)
+    return ToolPlan("auto", rendered, parser=parser, parallel=req.parallel_tool_calls, keep_special_tokens=special)
 
 
 def check_history(messages: Sequence[ChatMessage], codec: TextCodec) -> None:

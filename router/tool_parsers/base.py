@@ -37,6 +37,10 @@ Piece = str | ParsedCall  # message text, or one whole call
 class ToolCallParser(ABC):
     """One model family's tool-call format, fed one output's text incrementally."""
 
+    #: text the format needs to see in the output (a tokenizer that makes one of them a special token
+    #: must decode without skipping special tokens, or the parser never sees it)
+    markers: tuple[str, ...] = ()
+
     @classmethod
     @abstractmethod
     def teaches(cls, template: str) -> bool:

@@ -21,6 +21,8 @@ START, END = "<tool_call>", "</tool_call>"
 
 @register("hermes")
 class HermesParser(ToolCallParser):
+    markers = (START, END)
+
     def __init__(self) -> None:
         self._buf = ""
         self._in_call = False

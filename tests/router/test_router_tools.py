@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFTokenizer
 
 from engine.grammar import GrammarSpec
 from router.codec import EngineTextCodec
@@ -28,6 +30,7 @@ from router.openai_format import ChatFormatter
 from router.prompt import chat_prompt
 from router.protocol import ChatCompletionRequest
 from router.tokenize import TokenizeChatRequest, tokenize
+from router.tool_parsers import PARSERS
 from router.tool_stream import ToolCallStream
 from router.tools import NO_PARAMETERS, ToolPlan, plan_tools, required_schema, tool_grammar
 from tests.support.models import bundled_tokenizer_dir, make_tiny_chat_model
@@ -113,6 +116,25 @@ def test_refusals_name_the_field(qwen: EngineTextCodec, fields: dict[str, Any], 
     with pytest.raises(APIError) as e:
         plan_tools(chat(**fields), qwen)
     assert e.value.status == 400 and e.value.param == param and words in e.value.message
+
+
+def test_markers_that_are_special_tokens_are_decoded(tmp_path: Path) -> None:
+    """A tokenizer that makes ``<tool_call>`` a special token would hide it from the parser; ``auto``
+    then decodes special tokens, and the call comes through."""
+    folder = set_chat_template(make_tiny_chat_model(tmp_path / "special"), QWEN2_5)
+    tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    codec = EngineTextCodec(folder)
+    assert codec.is_special_token("<tool_call>") and not codec.is_special_token("tool")
+    assert plan_tools(chat(tools=[WEATHER]), codec).keep_special_tokens
+    ids = codec.encode(CALL)
+    texts = {}
+    for skip in (True, False):
+        detok = codec.detokenizer(skip_special_tokens=skip)
+        texts[skip] = "".join(detok.push(t) for t in ids) + detok.flush()
+    assert "<tool_call>" not in texts[True] and texts[False] == CALL
+    assert [p.name for p in PARSERS["hermes"]().parse(texts[False]) if not isinstance(p, str)] == ["get_weather"]
 
 
 def test_a_template_without_tools_refuses_auto_and_earlier_calls(smollm: EngineTextCodec) -> None:

@@ -109,6 +109,9 @@ class FakeCodec:
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 
+    def is_special_token(self, text: str) -> bool:
+        return False
+
     def detokenizer(self, skip_special_tokens: bool = True) -> FakeDetokenizer:
         return FakeDetokenizer()
 
