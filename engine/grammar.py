@@ -21,10 +21,10 @@ Owns:
 
 Invariants: a matcher never raises on a token: a rejected token puts it in error (``error`` says
 why), and the worker ends the stream with that error instead of emitting the token. ``done`` (the
-grammar allows nothing more) ends the sequence with finish reason ``stop``. EOS is in the mask only
-where the grammar accepts the output so far. JSON is written with ``", "`` between items and ``": "``
-after keys and no other whitespace (a schema's ``x-guidance`` may say otherwise), so a model cannot
-pad its answer with whitespace until ``max_tokens``.
+grammar allows nothing more) ends the sequence with finish reason ``stop``, ``min_tokens`` or not.
+EOS is in the mask only where the grammar accepts the output so far. JSON is written with ``", "``
+between items and ``": "`` after keys and no other whitespace (a schema's ``x-guidance`` may say
+otherwise), so a model cannot pad its answer with whitespace until ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -101,7 +101,10 @@ def grammar_vocab(folder: str | Path, eos_ids: Sequence[int]) -> GrammarVocab:
 @functools.lru_cache(maxsize=4)
 def _vocab(folder: str, eos_ids: tuple[int, ...]) -> GrammarVocab:
     text = (Path(folder) / "tokenizer.json").read_text(encoding="utf-8")
-    return GrammarVocab(llg.LLTokenizer(text, eos_token=list(eos_ids) or None))
+    try:
+        return GrammarVocab(llg.LLTokenizer(text, eos_token=list(eos_ids) or None))
+    except Exception as e:  # llguidance raises plain exceptions on a tokenizer it cannot read
+        raise GrammarError(f"llguidance cannot use this model's tokenizer.json: {e}") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,21 +186,14 @@ class GrammarMatcher:
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
 
-@functools.cache
-def _executor() -> llg.LLExecutor:
-    return llg.LLExecutor()
-
-
 def allowed_tokens(matchers: list[GrammarMatcher], width: int) -> np.ndarray:
-    """→ [len(matchers), width] bool: which ids each matcher allows next (ids past its vocabulary: none)."""
+    """→ [len(matchers), width] bool: which ids each matcher allows next (ids past its vocabulary: none).
+    Row by row on the calling thread: a step waits on no other thread's wake-up."""
     vocab = matchers[0].vocab
     words = (vocab.size + 31) // 32
     bits = np.zeros((len(matchers), words), dtype=np.int32)  # [b, words]
-    if len(matchers) == 1:
-        matchers[0].fill_mask(bits[0])
-    else:
-        _executor().unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)],
-                                            bits.ctypes.data, words * 4, len(matchers))
+    for m, row in zip(matchers, bits, strict=True):
+        m.fill_mask(row)
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=min(width, vocab.size), bitorder="little")
     if allowed.shape[1] < width:
         allowed = np.pad(allowed, ((0, 0), (0, width - allowed.shape[1])))
@@ -213,6 +209,8 @@ def mask_logits(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> 
         return logits
     live = [m for m in matchers if m is not None and m.live]
     allowed = torch.from_numpy(allowed_tokens(live, logits.shape[1])).to(logits.device)  # [b, V]
+    if len(rows) == logits.shape[0]:  # every row under a grammar: no gather and scatter of rows
+        return logits.masked_fill(~allowed, float("-inf"))
     index = torch.tensor(rows, device=logits.device)
     sub = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))  # [b, V]
     return logits.index_copy(0, index, sub)

@@ -6,9 +6,13 @@ one torch thread): the engine's decode step at batch 8 (context 160), then `engi
 that step's own logits for 8 rows under each case below, interleaved case by case so load hits them
 alike; medians. Cases: greedy (the plain request), greedy with 5 top log-probs, seeded top-p sampling,
 unseeded top-k sampling, and every penalty at once (repetition, presence, frequency, a logit bias, min-p,
-min_tokens) over a 160-token prompt and 32 output tokens. Issue #27's target: the sampler (no grammar
-mask here: structured outputs are not built) at most 10% of the step, and plain requests paying
-nothing measurable for the pipeline's other stages. ``--model`` / ``--quick`` for a smoke run.
+min_tokens) over a 160-token prompt and 32 output tokens; then structured outputs under a JSON schema
+(strings, an integer, an array), each row at a different point of one answer (in a key, a string, a
+number, the array): the grammar's mask stage alone (`engine.grammar.mask_logits`, the matchers held
+where they are) and a whole greedy `sample` under it (the matchers rebuilt, untimed, before each call).
+Issue #27's target: the sampler and the grammar mask at most 10% of the step, and plain requests
+paying nothing measurable for the pipeline's other stages. ``--model`` (a folder with a
+``tokenizer.json``) / ``--quick`` for a smoke run.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +31,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.grammar import GrammarMatcher, GrammarSpec, compile_grammar, grammar_vocab, mask_logits
 from engine.sampling import SamplerState, SamplingParams, sample
+from engine.tokenizer import Tokenizer
 from loadtests import bench_engine as be
 from loadtests.bench_common import MODEL, RESULTS, log, result_doc, write_result
 from loadtests.schemas import SAMPLER_SCHEMA
@@ -49,6 +56,39 @@ def cases(vocab: int) -> dict[str, SamplingParams]:
     }
 
 
+GRAMMAR_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"type": "string"}}, "city": {"type": "string"}},
+    "required": ["name", "age", "tags", "city"],
+    "additionalProperties": False,
+}
+GRAMMAR_ANSWER = '{"name": "Ann Smith", "age": 30, "tags": ["red", "blue"], "city": "Paris"}'
+Timed = tuple[Callable[[], None], Callable[[], None]]  # (untimed set-up, timed call)
+
+
+def grammar_calls(logits: torch.Tensor, folder: Path) -> dict[str, Timed]:
+    """The structured-output cases over ``logits`` [B, V]: row i has generated the first i/B of
+    `GRAMMAR_ANSWER`'s tokens."""
+    tok = Tokenizer.from_dir(folder)
+    vocab = grammar_vocab(folder, tok.eos_token_ids)
+    spec = GrammarSpec("json_schema", json.dumps(GRAMMAR_SCHEMA))
+    compiled = compile_grammar(vocab, spec)
+    answer = tok.encode(GRAMMAR_ANSWER)
+    prefixes = [answer[: i * (len(answer) - 1) // BATCH] for i in range(BATCH)]
+    held = [GrammarMatcher(compiled, p) for p in prefixes]
+    params = SamplingParams(temperature=0.0, max_tokens=64, grammar=spec)
+    fresh: list[list[SamplerState]] = [[]]
+
+    def rebuild() -> None:
+        fresh[0] = [SamplerState.new(params, (), p, tok.eos_token_ids, vocab) for p in prefixes]
+
+    def mask() -> None:
+        mask_logits(logits, list(held))
+
+    return {"json_schema_mask": (lambda: None, mask), "json_schema_greedy": (rebuild, lambda: _call(logits, fresh[0]))}
+
+
 def _states(params: SamplingParams, vocab: int) -> list[SamplerState]:
     g = torch.Generator().manual_seed(7)
     out = []
@@ -64,18 +104,23 @@ def _call(logits: torch.Tensor, states: list[SamplerState]) -> None:
     sample(logits, states)
 
 
-def time_cases(logits: torch.Tensor, named: dict[str, SamplingParams], repeats: int) -> dict[str, float]:
-    """Median milliseconds of one `sample` call over ``logits`` [B, V] per case, interleaved."""
+def time_cases(logits: torch.Tensor, named: dict[str, SamplingParams], repeats: int,
+               extra: dict[str, Timed] | None = None) -> dict[str, float]:
+    """Median milliseconds of one `sample` call over ``logits`` [B, V] per case, and of each of
+    ``extra``'s calls (after its untimed set-up), interleaved."""
     vocab = logits.shape[1]
-    fns: dict[str, Callable[[], None]] = {}
+    fns: dict[str, Timed] = {}
     for name, params in named.items():
         states = _states(params, vocab)
-        fns[name] = functools.partial(_call, logits, states)
+        fns[name] = (lambda: None, functools.partial(_call, logits, states))
+    fns.update(extra or {})
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
+    for setup, fn in fns.values():
+        setup()
         fn()  # warm-up (builds the penalty books)
     for _ in range(repeats):
-        for name, fn in fns.items():
+        for name, (setup, fn) in fns.items():
+            setup()
             t0 = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - t0) * 1e3)
@@ -127,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     step_ms = be.bench_decode(eng, {"e": eng.runner}, BATCH, CONTEXT, 5 if args.quick else 15)["e"] * 1e3
     logits = step_logits(eng, BATCH, CONTEXT)
     log(f"sampler cases on that step's logits [{BATCH}, {logits.shape[1]}]")
-    ms = time_cases(logits, cases(logits.shape[1]), repeats)
+    ms = time_cases(logits, cases(logits.shape[1]), repeats, grammar_calls(logits, eng.model_dir))
     results = {
         "decode_step_ms": round(step_ms, 3),
         "cases": {n: {"ms": round(v, 3), "of_step": round(v / step_ms, 4)} for n, v in ms.items()},
@@ -136,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
              "threshold": TARGET_FRACTION, "met": ms["all_penalties"] / step_ms <= TARGET_FRACTION},
             {"name": "seeded_top_p_of_step", "value": round(ms["seeded_top_p"] / step_ms, 4),
              "threshold": TARGET_FRACTION, "met": ms["seeded_top_p"] / step_ms <= TARGET_FRACTION},
+            {"name": "json_schema_greedy_of_step", "value": round(ms["json_schema_greedy"] / step_ms, 4),
+             "threshold": TARGET_FRACTION, "met": ms["json_schema_greedy"] / step_ms <= TARGET_FRACTION},
         ],
     }
     setup = {"description": __doc__.split("\n\n")[1].replace("\n", " "), "model": args.model,

@@ -132,15 +132,15 @@ def grammar_for(fmt: ResponseFormat | None) -> GrammarSpec | None:
     return GrammarSpec("json_schema", fmt.schema_text or "")
 
 
-async def check_grammar(spec: GrammarSpec | None, codec: TextCodec) -> None:
-    """A grammar llguidance cannot compile against the model's tokenizer is a 400 naming
-    ``response_format``, before any prefill (the pools compile the same spec the same way)."""
+async def check_grammar(spec: GrammarSpec | None, codec: TextCodec, param: str = "response_format") -> None:
+    """A grammar llguidance cannot compile against the model's tokenizer is a 400 naming ``param``
+    (the field the schema came from), before any prefill (the pools compile the same spec the same way)."""
     if spec is None:
         return
     try:
         await codec.compile_grammar(spec)
     except GrammarError as e:
-        raise bad_request(f"response_format: the schema cannot be enforced: {e}", param="response_format") from None
+        raise bad_request(f"{param}: the schema cannot be enforced: {e}", param=param) from None
 
 
 def _setting(req: GenerationRequest, name: str, defaults: SamplingDefaults | None) -> Any:

@@ -194,3 +194,9 @@ def test_generation_under_a_schema_parses_and_validates(tiny_chat: Engine, param
     jsonschema.validate(json.loads(tok.decode(out.token_ids)), SCHEMA)
     again = generate(tiny_chat, prompt, params, tok.eos_token_ids)
     assert again.token_ids == out.token_ids  # greedy / seeded: the same text each time
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_grammar_error(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "Unknown"}}))
+    with pytest.raises(GrammarError, match=r"tokenizer\.json"):
+        grammar_vocab(tmp_path, (2,))

@@ -1,13 +1,17 @@
 """``response_format`` at the edge: its shapes validated (every error names it), mapped to the
 grammar the pools enforce, and compiled against the bundled model's real tokenizer before any
-prefill (a schema llguidance cannot compile is a 400 naming ``response_format``)."""
+prefill (a schema llguidance cannot compile is a 400 naming ``response_format``; random schemas
+never raise anything else)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from engine.grammar import GrammarError, GrammarSpec
@@ -84,3 +88,24 @@ async def test_the_codec_compiles_as_the_pools_do(codec: TextCodec) -> None:
     with pytest.raises(GrammarError, match="look-around"):
         await codec.compile_grammar(GrammarSpec("json_schema", json.dumps({"type": "string",
                                                                             "pattern": "(?<=a)b"})))
+
+
+JSON_LEAVES = st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False, width=32) | st.sampled_from(
+    ["object", "string", "integer", "number", "array", "boolean", "null", "a+", "#/x", "email", ""])
+SCHEMA_KEYS = st.sampled_from(["type", "properties", "items", "enum", "const", "required", "minimum", "maximum",
+                               "pattern", "anyOf", "oneOf", "allOf", "$ref", "$defs", "additionalProperties",
+                               "minItems", "maxItems", "format", "not", "x"])
+SCHEMAS = st.dictionaries(SCHEMA_KEYS, st.recursive(
+    JSON_LEAVES, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(SCHEMA_KEYS, inner, max_size=3),
+    max_leaves=12), max_size=4)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=SCHEMAS)
+def test_any_schema_compiles_or_is_a_400_naming_response_format(codec: TextCodec, schema: dict[str, Any]) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    spec = grammar_for(chat(fmt).response_format)
+    try:
+        asyncio.run(check_grammar(spec, codec))
+    except APIError as e:
+        assert e.status == 400 and e.param == "response_format"
