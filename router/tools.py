@@ -32,10 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.grammar import GrammarError, GrammarSpec
+from engine.grammar import GrammarSpec
 from router.codec import TextCodec
 from router.errors import APIError, bad_request
 from router.messages import ChatMessage
+from router.prompt import check_grammar
 from router.protocol import ChatCompletionRequest
 from router.tool_parsers import PARSERS, parser_for_template
 
@@ -105,10 +106,7 @@ async def tool_grammar(plan: ToolPlan, req: ChatCompletionRequest, codec: TextCo
         raise _refuse("tool_choice", "a forced tool call and response_format both constrain the output; "
                                      "send one of them")
     spec = GrammarSpec("json_schema", plan.schema)
-    try:
-        await codec.compile_grammar(spec)
-    except GrammarError as e:
-        raise _refuse("tools", f"the functions' parameters schemas cannot be enforced: {e}") from None
+    await check_grammar(spec, codec, param="tools")  # the schemas are the tools' parameters
     return spec
 
 
