@@ -13,8 +13,9 @@ behind it. A field is one of
   log, as vLLM does.
 
 Invariants: no name is in two tables, none of `IGNORED` is a field of the request models, and a
-`REFUSED` name is a field of at most one of them (``echo``: completions); tests check these, and
-that every field of the official client's request types is here.
+`REFUSED` name is a field of at most one of them (``echo``: completions; ``tools``, ``tool_choice``,
+``parallel_tool_calls``: chat); tests check these, and that every field of the official client's
+request types is here.
 
 Served fields (both endpoints unless marked):
 
@@ -34,6 +35,7 @@ Served fields (both endpoints unless marked):
 | ignore_eos, stop_token_ids | vLLM's extensions, as vLLM defines them |
 | skip_special_tokens, include_stop_str_in_output | vLLM's extensions, as vLLM defines them |
 | response_format | text, json_object, json_schema (always enforced) by llguidance; uncompilable: 400 |
+| tools, tool_choice, parallel_tool_calls (chat) | function tools; none, auto, required, named: `router.tools` |
 """
 
 from __future__ import annotations
@@ -69,9 +71,9 @@ REFUSED: dict[str, Refused] = {
     "echo": Refused("echo is served on /v1/completions only", (False,)),
     "suffix": Refused("the model has no insert (suffix) mode", ("",)),
     # OpenAI, chat
-    "tools": Refused("tool calling is not supported", ([],)),
-    "tool_choice": Refused("tool calling is not supported; only 'none' (or 'auto' without tools)",
-                           ("none", "auto")),
+    "tools": Refused("tools are served on /v1/chat/completions only", ([],)),
+    "tool_choice": Refused("tool_choice is served on /v1/chat/completions only", ("none", "auto")),
+    "parallel_tool_calls": Refused("parallel_tool_calls is served on /v1/chat/completions only", (True,)),
     "functions": Refused("function calling is not supported", ([],)),
     "function_call": Refused("function calling is not supported", ("none", "auto")),
     "audio": Refused("audio output is not supported", ()),
@@ -115,7 +117,6 @@ IGNORED: dict[str, str] = {
     "prompt_cache_retention": "how long a cached prompt is kept",
     "prompt_cache_options": "prompt-cache settings",
     "prediction": "a Predicted Output: speeds the response up, does not change it",
-    "parallel_tool_calls": "has no effect without tools (which are refused)",
     # vLLM's scheduling / plumbing extras
     "priority": "vLLM's scheduling priority",
     "request_id": "vLLM's request id; ours are generated",

@@ -10,7 +10,9 @@ with ``stream_options.include_usage``) comes last, after the chunk with the fini
 (chat: ``top_logprobs`` objects; completions: a ``{token: logprob}`` dict per token, the chosen one
 included); completions' ``echo`` with ``logprobs`` puts the prompt's tokens first (in the first
 chunk), and a request that asks for prompt log-probs gets vLLM's ``prompt_logprobs`` in its
-response (`router.prompt_logprobs`).
+response (`router.prompt_logprobs`). A chat answer read for tool calls (a `ToolCallStream`) sends the content and
+``tool_calls`` deltas the stream releases, and its finish reason (``tool_calls`` where calls were
+made); its log-probs stay those of every generated token.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from router.protocol import (
     new_id,
     now,
 )
+from router.tool_protocol import DeltaToolCall
+from router.tool_stream import ToolCallStream
 
 DONE = "data: [DONE]\n\n"
 
@@ -167,10 +171,19 @@ class CompletionFormatter(Formatter):
                                   usage=self.usage)
 
 
+@dataclass
 class ChatFormatter(Formatter):
+    tools: ToolCallStream | None = None  # the answer's text read for tool calls (`router.tool_stream`)
+
     def __post_init__(self) -> None:
         self.id = self.id or new_id("chatcmpl")
         self._sent_role = False
+        self._released: tuple[str, list[DeltaToolCall]] = ("", [])  # the last delta's, read for calls
+
+    def add(self, delta: Delta) -> None:
+        super().add(delta)
+        if self.tools is not None:
+            self._released = self.tools.push(delta.text, final=delta.finish_reason is not None)
 
     def _logprobs(self, ids: Sequence[int], lps: Sequence[float | None],
                   tops: Sequence[TopLogprobs]) -> ChatLogprobs | None:
@@ -192,18 +205,28 @@ class ChatFormatter(Formatter):
         self.add(delta)
         first = not self._sent_role
         self._sent_role = True
-        choice = ChatStreamChoice(delta=ChatDelta(role="assistant" if first else None, content=delta.text),
+        text, calls = (delta.text, []) if self.tools is None else self._released
+        message = ChatDelta(role="assistant" if first else None, content=text if text or not calls else None,
+                            tool_calls=calls or None)
+        choice = ChatStreamChoice(delta=message,
                                   logprobs=self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs),
-                                  finish_reason=delta.finish_reason)
+                                  finish_reason=self._finish_reason(delta.finish_reason))
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def usage_chunk(self) -> BaseModel:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                    usage=self.usage)
 
+    def _finish_reason(self, reason: str | None) -> str | None:
+        return reason if reason is None or self.tools is None else self.tools.finish_reason(reason)
+
     def response(self) -> BaseModel:
-        choice = ChatChoice(message=AssistantMessage(content="".join(self.text)),
+        if self.tools is None:
+            message = AssistantMessage(content="".join(self.text))
+        else:
+            message = AssistantMessage(content=self.tools.content, tool_calls=self.tools.calls or None)
+        choice = ChatChoice(message=message,
                             logprobs=self._logprobs(self.token_ids, self.token_logprobs, self.token_tops),
-                            finish_reason=self.finish_reason)
+                            finish_reason=self._finish_reason(self.finish_reason))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
                                       usage=self.usage, prompt_logprobs=self.vllm_prompt_logprobs())

@@ -14,7 +14,7 @@ are taken as given, and a chat gets only what its template writes. Violations ar
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from engine.sampling import SamplingDefaults, SamplingParams
@@ -47,9 +47,11 @@ def echo_text(req: CompletionRequest, prompt: tuple[int, ...], codec: TextCodec)
     return codec.decode(list(prompt))
 
 
-def chat_prompt(req: ChatCompletionRequest, codec: TextCodec) -> tuple[int, ...]:
+def chat_prompt(req: ChatCompletionRequest, codec: TextCodec,
+                tools: Sequence[Mapping[str, Any]] = ()) -> tuple[int, ...]:
+    """The chat's ids; ``tools`` (`router.tools.ToolPlan.template_tools`) reach the template's ``tools``."""
     try:
-        ids = codec.encode_chat([m.to_template() for m in req.messages])
+        ids = codec.encode_chat([m.to_template() for m in req.messages], tools=tools or None)
     except ValueError as e:  # no chat template, or a template's raise_exception (bad role order)
         raise bad_request(str(e), param="messages") from None
     if not ids:

@@ -276,6 +276,47 @@ def test_structured_outputs_parse_and_validate_in_both_modes(cluster: str, oracl
     assert seeded[0] == seeded[1]
 
 
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                  "required": ["city", "days"], "additionalProperties": False}
+TOOLS: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
+              {"type": "function", "function": {"name": "get_time", "parameters": {
+                  "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+FORECAST: Any = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+
+
+def test_tool_calls_on_a_template_without_tools_in_both_modes(cluster: str, oracle) -> None:
+    """SmolLM2's template cannot show the model its tools: ``auto`` is a 400 naming tools; a named
+    function is the grammar-constrained arguments (the reference's text under the parameters schema),
+    which parse and validate, streamed the same; ``required`` calls validate against their tool."""
+    eng, tok = oracle
+    params = SamplingParams(max_tokens=40, grammar=GrammarSpec("json_schema", json.dumps(WEATHER_PARAMS)))
+    want = tok.decode(generate(eng, tok.encode_chat(FORECAST), params, eos_token_ids=tok.eos_token_ids).token_ids)
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for app in ("pd", "colo"):
+        c = client(cluster, app)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=DEFAULT_MODEL, messages=FORECAST, tools=TOOLS, max_tokens=8)
+        assert e.value.body["param"] == "tools"  # type: ignore[index]
+        got = c.chat.completions.create(model=DEFAULT_MODEL, messages=FORECAST, tools=TOOLS, tool_choice=named,
+                                        max_tokens=40, temperature=0).choices[0]
+        assert got.finish_reason == "stop" and got.message.content is None and got.message.tool_calls
+        (call,) = got.message.tool_calls
+        assert call.function.name == "get_weather" and call.function.arguments == want  # type: ignore[union-attr]
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)  # type: ignore[union-attr]
+        with c.chat.completions.stream(model=DEFAULT_MODEL, messages=FORECAST, tools=TOOLS, tool_choice=named,
+                                       max_tokens=40, temperature=0) as stream:
+            (streamed,) = stream.get_final_completion().choices[0].message.tool_calls or []
+        assert streamed.function.arguments == want  # type: ignore[union-attr]
+        required = c.chat.completions.create(model=DEFAULT_MODEL, messages=FORECAST, tools=TOOLS,
+                                             tool_choice="required", max_tokens=80, temperature=0).choices[0]
+        assert required.finish_reason == "tool_calls" and required.message.tool_calls
+        for call in required.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments),  # type: ignore[union-attr]
+                                schemas[call.function.name])  # type: ignore[union-attr]
+
+
 def test_32_concurrent_streams_complete(cluster: str) -> None:
     aclient = openai.AsyncOpenAI(base_url=f"{cluster}/pd/v1", api_key="unused", timeout=240, max_retries=0)
 

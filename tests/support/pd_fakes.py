@@ -8,7 +8,12 @@ points below 256; id 0 is EOS). Prompts steer the fakes with magic words:
 - ``CRASH1``: the prefill replica's process exits the first time (a marker file remembers);
 - ``MIDERR``: the decode stream sends two events, then an error event;
 - ``EOSAT<k>``: the k-th generated token is EOS (finish "stop");
-- ``SLOW``: 30 ms per decode event (for disconnect tests); otherwise 1 ms.
+- ``SLOW``: 30 ms per decode event (for disconnect tests); otherwise 1 ms;
+- ``SAY[[text]]``: the answer is ``text``, one character per token, then EOS (a scripted answer,
+  e.g. a tool call, through either pool).
+
+`FakeToolCodec` is the fake tokenizer with a chat template that renders tools (Hermes-style
+``<tool_call>`` markers), for the tool-calling tests.
 
 Decode replicas record every request whose stream was cancelled (`cancelled()`).
 """
@@ -16,12 +21,14 @@ Decode replicas record every request whose stream was cancelled (`cancelled()`).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import llguidance
 
@@ -88,6 +95,8 @@ class FakeCodec:
     sampling_defaults = SamplingDefaults()
     vocab_size = 256
     max_model_len = None
+    chat_template = None  # its chat format renders no tools
+    renders_tools = False
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) if ord(c) < 256 else ord("?") for c in text]
@@ -95,7 +104,8 @@ class FakeCodec:
     def encode_prompt(self, text: str) -> list[int]:
         return self.encode(text)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         if any(m["role"] == "assistant" and m["content"] == "RAISE" for m in messages):
             raise ValueError("Conversation roles must alternate")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
@@ -110,6 +120,9 @@ class FakeCodec:
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 
+    def is_special_token(self, text: str) -> bool:
+        return False
+
     def detokenizer(self, skip_special_tokens: bool = True) -> FakeDetokenizer:
         return FakeDetokenizer()
 
@@ -122,6 +135,31 @@ class FakeCodec:
 
 def fake_codec(_: RouterConfig) -> FakeCodec:
     return FakeCodec()
+
+
+class FakeToolCodec(FakeCodec):
+    """Renders the tools as ``<tools>[...]</tools>`` before the messages; teaches ``<tool_call>``."""
+
+    chat_template = "{{ tools }}{{ messages }} <tool_call></tool_call> tool_calls"
+    renders_tools = True
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        head = self.encode(f"<tools>{json.dumps(list(tools))}</tools>") if tools else []
+        return head + super().encode_chat(messages, add_generation_prompt)
+
+
+def fake_tool_codec(_: RouterConfig) -> FakeToolCodec:
+    return FakeToolCodec()
+
+
+SCRIPT = re.compile(r"SAY\[\[(.*?)\]\]", re.S)
+
+
+def script(prompt: str) -> str | None:
+    """The scripted answer a prompt asks for (``SAY[[text]]``), if any."""
+    m = SCRIPT.search(prompt)
+    return m.group(1) if m and m.group(1) else None
 
 
 def chat_prompt_ids(messages: Sequence[dict[str, str]]) -> list[int]:
@@ -159,7 +197,8 @@ class FakePrefill:
             await asyncio.sleep(0.002)
         finally:
             self._running -= 1
-        token = successor(req.prompt_token_ids[-1])
+        said = script(text)
+        token = ord(said[0]) if said else successor(req.prompt_token_ids[-1])
         finished = req.sampling.max_tokens == 1
         handle = None if finished else KVHandle(
             transfer_id=req.request_id, source_host="127.0.0.1", source_port=9,
@@ -192,6 +231,7 @@ class FakeDecode:
         m = re.search(r"EOSAT(\d+)", text)
         eos_at = int(m.group(1)) if m else None
         delay = 0.03 if "SLOW" in text else 0.001
+        said = script(text)
         n_max = req.sampling.max_tokens
         t = req.prompt_token_ids[-1] if colocated else req.first_token_id
         assert t is not None
@@ -205,7 +245,10 @@ class FakeDecode:
                                      error="fake decode failure")
                     return
                 produced += 1
-                t = EOS if eos_at is not None and produced == eos_at else successor(t)
+                if said is not None:
+                    t = ord(said[produced - 1]) if produced <= len(said) else EOS
+                else:
+                    t = EOS if eos_at is not None and produced == eos_at else successor(t)
                 finish = "stop" if t == EOS else ("length" if produced == n_max else None)
                 timings = DecodeTimings(queue_s=0.001, transfer_s=0.001, prefill_s=0.002) if finish else None
                 scores = fake_prompt_logprobs(req.prompt_token_ids, req.prompt_logprobs) if produced == 1 else None
