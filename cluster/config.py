@@ -10,9 +10,9 @@ what is allowed), the cross-field rules, the environment variables (read here, o
 Invariants: a `ClusterConfig` that constructed is consistent — nccl means every worker asks for a
 GPU and runs on cuda; cuda means GPUs are asked for; colocated mode has no prefill pool (its
 section is ignored); disaggregated pools have one KV dtype (a pool's ``dtype``, else ``engine.dtype``,
-``auto`` resolved for the device). The KV secret is the configured one, else ``PDSERVE_KV_SECRET``, else a random
-one drawn once per config (so every replica of one app shares it). Secrets never print: see
-`ClusterConfig.redacted`.
+``auto`` resolved for the device and the checkpoint's stored dtype). The KV secret is the configured
+one, else ``PDSERVE_KV_SECRET``, else a random one drawn once per config (so every replica of one app
+shares it). Secrets never print: see `ClusterConfig.redacted`.
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ from cluster.placement import (
 )
 from cluster.serve_yaml import ConfigError, application_args
 from decode_worker.config import DecodeWorkerConfig
-from engine.bundled import DEFAULT_MODEL
-from engine.choices import MAX_CHOICES
-from engine.config import AUTO_DTYPE, EngineConfig, fast_dtype, parse_dtype
+from engine.bundled import DEFAULT_MODEL, stored_dtype
+from engine.config import AUTO_DTYPE, EngineConfig, auto_dtype, parse_dtype
 from engine.hub import is_hub_id
 from kv_transfer.config import KVTransferConfig, Transport
 from prefill_worker.config import PrefillWorkerConfig
@@ -232,9 +231,15 @@ class ClusterConfig(_Section):
         return pool.dtype or self.engine.dtype
 
     def _kv_dtype(self, pool: _Pool) -> torch.dtype:
-        """The pool's KV cache dtype: its compute dtype (``auto`` resolved for the device, as replicas get it)."""
+        """The pool's KV cache dtype: its compute dtype (``auto`` resolved as replicas get it)."""
+        return parse_dtype(self._resolved_dtype(pool))
+
+    def _resolved_dtype(self, pool: _Pool) -> str:
+        """The pool's dtype, ``auto`` resolved for the device and the checkpoint's stored dtype where
+        the model's ``config.json`` is at hand (`engine.config.auto_dtype`): once, here, so every
+        replica of the app computes in the same dtype whatever node it lands on."""
         dtype = self._pool_dtype(pool)
-        return parse_dtype(fast_dtype(self.engine.device) if dtype == AUTO_DTYPE else dtype)
+        return auto_dtype(self.engine.device, stored_dtype(self.model)) if dtype == AUTO_DTYPE else dtype
 
     def _dtype_source(self, name: str, pool: _Pool) -> str:
         field = f"{name}.dtype" if pool.dtype is not None else f"engine.dtype (for {name})"
@@ -281,7 +286,7 @@ class ClusterConfig(_Section):
 
     def _engine(self, pool: _Pool) -> EngineConfig:
         e = self.engine
-        return EngineConfig(device=e.device, dtype=self._pool_dtype(pool), quantization=e.quantization,
+        return EngineConfig(device=e.device, dtype=self._resolved_dtype(pool), quantization=e.quantization,
                             block_size=e.block_size, num_blocks=pool.num_blocks,
                             max_num_seqs=pool.max_num_seqs, max_model_len=self.limits.max_model_len,
                             enable_prefix_cache=e.enable_prefix_cache,
@@ -318,7 +323,7 @@ class ClusterConfig(_Section):
                             prefill_timeout_s=lim.prefill_timeout_s, token_timeout_s=lim.token_timeout_s,
                             ready_timeout_s=lim.ready_timeout_s,
                             max_inflight_requests=lim.max_inflight_requests or self.decode_capacity_per_router(),
-                            max_choices=min(MAX_CHOICES, self.decode.max_num_seqs))
+                            max_choices=min(RouterConfig.max_choices, self.decode.max_num_seqs))
 
     def decode_capacity_per_router(self) -> int:
         """Requests the decode pool holds (running + queued, at its most replicas), per router replica.

@@ -22,9 +22,12 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from decode_worker.scheduler import DecodeScheduler
 from decode_worker.stream import Stream
 from decode_worker.types import DecodeRequest, TokenEvent, merge_events
 from engine.choices import choice_params
+from engine.grammar import GrammarVocab
+from engine.kv_cache import KVCache
 from engine.sampling import SamplerState
 
 
@@ -36,14 +39,16 @@ class ChoiceGroup:
     pull_task: asyncio.Task[None] | None = None  # disaggregated, while the prompt's KV comes in
 
     @classmethod
-    def new(cls, req: DecodeRequest, eos_ids: Sequence[int]) -> ChoiceGroup:
-        """A stream per choice, each sampler with its choice's seed (`engine.choices`) and, when
-        the prefill sampled it, token 0 as its next token to feed."""
+    def new(cls, req: DecodeRequest, eos_ids: Sequence[int], vocab: GrammarVocab | None = None) -> ChoiceGroup:
+        """A stream per choice, each sampler with its choice's seed (`engine.choices`) and grammar
+        matcher (``vocab``: the grammar's, when the request has one) and, when the prefill sampled
+        it, token 0 as its next token to feed."""
         ready = asyncio.Event()
         streams = []
         for c in req.choice_list():
             sampled = () if c.first_token_id is None else (c.first_token_id,)
-            sampler = SamplerState.new(choice_params(req.sampling, c.index), req.prompt_token_ids, sampled, eos_ids)
+            sampler = SamplerState.new(choice_params(req.sampling, c.index), req.prompt_token_ids, sampled, eos_ids,
+                                       vocab)
             seq_id = f"{req.request_id}#{c.index}" if req.choices else req.request_id
             st = Stream(req=req, sampler=sampler, index=c.index, seq_id=seq_id, ready=ready)
             if c.first_token_id is not None:
@@ -63,6 +68,13 @@ class ChoiceGroup:
             self.ready.clear()
             await self.ready.wait()
         return [(st, st.take()) for st in self.streams if st.pending]
+
+    def kv_in(self, scheduler: DecodeScheduler, cache: KVCache) -> None:
+        """The prompt's KV is in the head's blocks: the group runs, each fork with its own copy of a
+        shared partial block, made here, before any of them writes (`DecodeScheduler.on_transfer_done`)."""
+        if copies := scheduler.on_transfer_done(self.head.seq_id):
+            src, dst = zip(*copies, strict=True)
+            cache.scatter_blocks(list(dst), cache.gather_blocks(list(src)))
 
     async def relay(self, interval: int, timeout_s: float, on_timeout: Callable[[Stream], None]
                     ) -> AsyncIterator[TokenEvent]:

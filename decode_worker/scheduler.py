@@ -32,12 +32,13 @@ when its blocks (the head's ``num_tokens + 1`` slots, one block per fork) fit ab
 and its size fits ``max_num_seqs``. At admission each fork shares the head's full prompt blocks by
 reference and gets one block of its own: its slot for token 0's KV, which for a prompt that ends
 mid-block is a copy of the head's partial last block (`engine.block_pool.fork_for_append`:
-copy-on-write). The KV arrives into the head's blocks only; `on_transfer_done` of the head moves the
-whole group to RUNNING and returns those copies, which the worker makes before the next step (the
-head's blocks hold the KV then, and nothing else writes them). From then on the forks are
-independent sequences: each grows, is swapped out (dropping only its own references: a block its
-siblings share stays put, a host copy of it goes with the swapped seq) and swapped back into blocks
-of its own, and finishes on its own. Finishing a head before its KV is in (abort, failed transfer)
+copy-on-write; with ``share_prompt`` off, each fork copies every block of the head's). The KV
+arrives into the head's blocks only; `on_transfer_done` of the head moves the whole group to
+RUNNING and returns those copies, which the worker makes before the next step (the head's blocks
+hold the KV then, and nothing else writes them). From then on the forks are independent
+sequences: each grows, is swapped out (dropping only its own references: a block its siblings
+share stays put, a host copy of it goes with the swapped seq) and swapped back into blocks of its
+own, and finishes on its own. Finishing a head before its KV is in (abort, failed transfer)
 finishes its forks too: they have nothing to run on; finishing a fork then only drops it.
 
 Invariants (`check_integrity`): each live sequence is in exactly the queue its status names (a
@@ -65,6 +66,8 @@ class SchedulerConfig:
     max_num_seqs: int = EngineConfig.max_num_seqs  # running + transferring + swapped
     watermark_blocks: int = 1  # kept free at admission and resume so running sequences can grow
     max_swap_blocks: int = 4096  # host blocks for swapped-out KV; keep it a few times num_blocks
+    share_prompt: bool = True  # forks share the prompt's full blocks (off where a decode step may
+    # rewrite a sequence's whole KV: a RoPE recomputed at a crossing; then each fork copies them all)
 
 
 class SeqStatus(enum.Enum):
@@ -86,7 +89,7 @@ class SeqState:
     order: int = 0  # insertion number, the FCFS tie-break
     forks: list[str] = field(default_factory=list)  # a head, until its KV is in: its forks' ids
     fork_of: str | None = None  # a fork, until its head's KV is in: the head's id
-    cow: tuple[int, int] | None = None  # a fork, until then: (head's partial block, this fork's copy)
+    cow: list[tuple[int, int]] = field(default_factory=list)  # a fork, until then: (head's block, its copy)
 
 
 _fcfs = operator.attrgetter("arrival", "order")  # sort key of every queue but transferring
@@ -118,8 +121,10 @@ class DecodeScheduler:
         return -(-num_tokens // self.pool.block_size)
 
     def _group_blocks(self, seq: SeqState) -> int:
-        """Blocks a group takes at admission: the head's slots for num_tokens + 1, one per fork."""
-        return self._blocks_for(seq.num_tokens + 1) + len(seq.forks)
+        """Blocks a group takes at admission: the head's slots for num_tokens + 1, one per fork (or,
+        not sharing, the same as the head's)."""
+        per_fork = 1 if self.config.share_prompt else self._blocks_for(seq.num_tokens + 1)
+        return self._blocks_for(seq.num_tokens + 1) + per_fork * len(seq.forks)
 
     def add(self, seq_id: str, num_tokens: int, arrival: float, forks: Sequence[str] = ()) -> SeqState:
         """Queue a request whose KV for ``num_tokens`` tokens will arrive by transfer; ``forks``: the
@@ -184,7 +189,8 @@ class DecodeScheduler:
             seq.block_ids = self.pool.allocate(self._blocks_for(seq.num_tokens + 1))
             for fork in [seq, *(self._seqs[f] for f in seq.forks)]:
                 if fork is not seq:
-                    fork.block_ids, fork.cow = fork_for_append(self.pool, seq.block_ids, seq.num_tokens)
+                    fork.block_ids, fork.cow = fork_for_append(self.pool, seq.block_ids, seq.num_tokens,
+                                                               self.config.share_prompt)
                 fork.status = SeqStatus.TRANSFERRING
                 self._transferring[fork.request_id] = fork
             out.admitted.append(seq)
@@ -251,9 +257,8 @@ class DecodeScheduler:
             raise ValueError(f"{request_id}: a fork's KV arrives with its head {seq.fork_of}")
         copies: list[tuple[int, int]] = []
         for s in [seq, *(self._seqs[f] for f in seq.forks)]:
-            if s.cow is not None:
-                copies.append(s.cow)
-            s.fork_of, s.cow = None, None
+            copies += s.cow
+            s.fork_of, s.cow = None, []
             del self._transferring[s.request_id]
             s.status = SeqStatus.RUNNING
             bisect.insort(self._running, s, key=_fcfs)
@@ -290,7 +295,7 @@ class DecodeScheduler:
             self._release(self._seqs[fid])
         if seq.fork_of is not None:
             self._seqs[seq.fork_of].forks.remove(seq.request_id)
-            seq.fork_of, seq.cow = None, None
+            seq.fork_of, seq.cow = None, []
         if seq.status is SeqStatus.WAITING:
             if seq in self._waiting:  # a waiting fork is not queued: its head is
                 self._waiting.remove(seq)

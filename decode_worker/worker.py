@@ -2,8 +2,9 @@
 
 Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler`'s):
 
-1. ``generate(req)`` checks length and queue bound, creates a `Stream` and adds the sequence to
-   **waiting**. It then relays the stream's events to the caller until the final one.
+1. ``generate(req)`` compiles the request's grammar (off the event loop), checks length and queue
+   bound, creates a `Stream` (its sampler state: the matcher rebuilt from token 0) and adds the
+   sequence to **waiting**. It then relays the stream's events to the caller until the final one.
 2. The step loop calls ``schedule()``. An admitted sequence has blocks reserved for its prompt KV
    plus the next token and moves to **transferring**: disaggregated, a pull task imports the KV
    from the prefill replica's outbox (`KVImporter`); colocated, the worker prefills the prompt
@@ -14,17 +15,14 @@ Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler
    stream. Blocks are appended at block boundaries; when they run out the scheduler swaps the
    youngest sequence out to host memory (**swapped**) and back in later — the decode pool never
    recomputes, so it never runs a prefill in disaggregated mode.
-4. A stream ends on EOS (unless ``ignore_eos``), a stop id, ``max_tokens``, an error, or abort:
+4. A stream ends on EOS (unless ``ignore_eos``), a stop id, a complete grammar, ``max_tokens``, an
+   error (a token the request's grammar rejects is one, never emitted), or abort:
    the caller closing the stream frees its blocks before the next step (a transfer in flight is
    allowed to finish first, so nothing is ever written into blocks someone else owns).
 
-A request with several choices (`DecodeRequest.choices`) is a `ChoiceGroup` of one stream per choice
-(`decode_worker.choices`): one sequence takes the prompt's KV (pulled or prefilled once) and the
-others are its forks, sharing its blocks (`decode_worker.scheduler`); when the KV is in, the worker
-copies the shared partial block into each fork's own block (copy-on-write), and each choice samples
-its own token 0 (colocated; disaggregated it came from the prefill) with its own seed
-(`engine.choices`), then runs as a sequence of its own. The caller's stream carries every choice's
-events tagged with its index and ends after the last choice's final event; closing it aborts them all.
+Several choices (`DecodeRequest.choices`): one stream each, as a `decode_worker.choices.ChoiceGroup`
+whose head takes the prompt's KV and whose forks share it (`decode_worker.scheduler`); the worker
+makes their copies of a shared partial block when the KV is in and (colocated) samples each one's token 0.
 
 Invariants: the scheduler, pool and streams are touched only on the event loop; the model runs on the
 engine's `ModelThread`, one forward at a time; each stream gets exactly one final event; ending the
@@ -49,6 +47,7 @@ from decode_worker.stream import Stream
 from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent
 from engine.engine import Engine
 from engine.errors import QueueFullError
+from engine.grammar import GrammarVocab, load_grammar
 from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens
 from engine.prompt_logprobs import PromptLogprobs, ScoreAsk, check_prompt_logprobs, chunk_ask
@@ -81,6 +80,7 @@ class DecodeWorker:
                 max_num_seqs=engine.config.max_num_seqs,
                 watermark_blocks=config.watermark_blocks,
                 max_swap_blocks=config.max_swap_blocks,
+                share_prompt=engine.model_config.rope_recompute_position is None,  # see SchedulerConfig
             ),
             engine.pool,
         )
@@ -111,7 +111,8 @@ class DecodeWorker:
         """Every choice's events, tagged with its index: each choice's first at once, then
         ``stream_interval`` tokens per event (fewer when the consumer catches up with the end); a
         token-less end follows the tokens before it (`decode_worker.choices.Relay`)."""
-        group = self._admit(req)
+        vocab = await load_grammar(req.sampling.grammar, self.engine.model_dir, self.eos_ids)
+        group = self._admit(req, vocab)
         wait = self.config.token_timeout_s
         try:
             async for ev in group.relay(self.config.stream_interval, wait,
@@ -146,7 +147,7 @@ class DecodeWorker:
 
     # -- admission and abort ------------------------------------------------------------------
 
-    def _admit(self, req: DecodeRequest) -> ChoiceGroup:
+    def _admit(self, req: DecodeRequest, vocab: GrammarVocab | None = None) -> ChoiceGroup:
         n_prompt = len(req.prompt_token_ids)
         if self.colocated != (req.handle is None):
             raise ValueError(
@@ -164,7 +165,7 @@ class DecodeWorker:
             raise ValueError(f"request id {req.request_id!r} is already streaming")
         if self._queued_beyond_free_slots() >= self.config.max_queue:
             raise QueueFullError(f"decode queue is full ({self.config.max_queue} waiting)", 1.0)
-        group = ChoiceGroup.new(req, self.eos_ids)
+        group = ChoiceGroup.new(req, self.eos_ids, vocab)
         forks = [st.seq_id for st in group.streams[1:]]
         self.scheduler.add(group.head.seq_id, n_prompt, arrival=group.head.enqueued, forks=forks)
         self.groups[req.request_id] = group
@@ -208,11 +209,9 @@ class DecodeWorker:
         """Finish a stream without a new token; frees its blocks and forgets it. A group's head
         before its KV is in takes the group's other streams with it (their forks end with it)."""
         stream.close(reason, error, code)
-        for seq_id in self._forget(stream)[1:]:
-            other = self.streams.get(seq_id)
-            if other is not None:
-                other.close(reason, error, code)
-                self._forget(other)
+        for other in filter(None, map(self.streams.get, self._forget(stream)[1:])):
+            other.close(reason, error, code)
+            self._forget(other)
 
     def _forget(self, stream: Stream) -> list[str]:
         """Drop a stream (its sequence freed); returns the sequences the scheduler finished."""
@@ -278,7 +277,10 @@ class DecodeWorker:
         assert seq is not None and st.next_token is not None
         if st.decode_started is None:
             st.decode_started = time.monotonic()
-        return DecodeSeq(st.next_token, seq.num_tokens, seq.block_ids)
+        history = None  # the tokens before this one, where the step recomputes the sequence (Phi-3 longrope)
+        if seq.num_tokens == self.engine.model_config.rope_recompute_position:
+            history = (*st.req.prompt_token_ids, *st.generated[:-1])
+        return DecodeSeq(st.next_token, seq.num_tokens, seq.block_ids, history)
 
     def _execute_swaps_and_admissions(self, out: SchedulerOutput) -> None:
         cache = self.engine.cache
@@ -316,25 +318,15 @@ class DecodeWorker:
             self._loop.wake()
         for st in group.streams:
             st.transfer_s, st.transfer_bytes = stats.seconds, stats.bytes
-        self._kv_in(head)
+        group.kv_in(self.scheduler, self.engine.cache)
         for st in group.streams:
             if st.aborted and not st.closed:
                 self._end(st, "abort")
 
-    def _kv_in(self, head: Stream) -> None:
-        """The prompt's KV is in the head's blocks: the group runs, each fork with its own copy of a
-        shared partial block (made here, before any of them writes)."""
-        copies = self.scheduler.on_transfer_done(head.seq_id)
-        if copies:
-            cache = self.engine.cache
-            src, dst = zip(*copies, strict=True)
-            cache.scatter_blocks(list(dst), cache.gather_blocks(list(src)))
-
     def _plan_prefill(self) -> tuple[list[PrefillChunk], list[ChoiceGroup]]:
         """Colocated only: whole prompts at once, or ``prefill_chunk_size`` tokens this step split as
         the prefill pool splits its budget (`engine.prefill_planner`); into each group's head."""
-        heads = [g.head for g in self.prefilling]
-        remaining = [len(st.req.prompt_token_ids) - st.prefilled for st in heads]
+        remaining = [len(g.head.req.prompt_token_ids) - g.head.prefilled for g in self.prefilling]
         budget = self.config.prefill_chunk_size or sum(remaining)
         cap = self.config.prefill_chunk_size or max(remaining, default=1)
         chunks: list[PrefillChunk] = []
@@ -346,7 +338,8 @@ class DecodeWorker:
             seq = self.scheduler.get(st.seq_id)
             assert seq is not None
             prompt = st.req.prompt_token_ids
-            chunks.append(PrefillChunk(prompt[st.prefilled : st.prefilled + n], st.prefilled, seq.block_ids))
+            chunks.append(PrefillChunk(prompt[st.prefilled : st.prefilled + n], st.prefilled, seq.block_ids,
+                                       prompt_len=len(prompt)))
             groups.append(group)
         return chunks, groups
 
@@ -366,7 +359,7 @@ class DecodeWorker:
             if st.prefilled < len(st.req.prompt_token_ids):
                 continue
             self.prefilling.remove(group)
-            self._kv_in(st)
+            group.kv_in(self.scheduler, self.engine.cache)
             live = [m for m in group.streams if m.seq_id in self.streams]
             # token 0 of every choice from the same logits row, each with its own sampler (seed);
             # the prompt's log-probs ride on the head's
@@ -384,13 +377,17 @@ class DecodeWorker:
 
     def _emit(self, st: Stream, tok: int, lp: float, top: TopLogprobs = (),
               prompt_logprobs: PromptLogprobs | None = None) -> None:
+        grammar = st.sampler.grammar
+        if grammar is not None and grammar.error is not None:  # never emit a token the grammar rejected
+            self._end(st, "error", grammar.error)
+            return
         if st.decode_started is None:
             st.decode_started = time.monotonic()
         st.generated.append(tok)  # disaggregated streams start with token 0 from the prefill
         st.next_token = tok
         params = st.req.sampling
         reason = None
-        if params.is_stop(tok, self.eos_ids):
+        if params.is_stop(tok, self.eos_ids) or (grammar is not None and grammar.done):
             reason = "stop"
         elif len(st.generated) >= params.max_tokens:
             reason = "length"

@@ -22,6 +22,7 @@ class PrefillBatch:
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] cache slot of each token
     seq_lens: list[int]  # tokens of each chunk; sums to T
+    prompt_lens: list[int]  # the whole prompt's length of each chunk (a length-dependent RoPE's table: `engine.rope`)
     start_positions: list[int]  # cached tokens before each chunk
     context_blocks: list[torch.Tensor | None]  # per chunk: [ceil((start + len) / bs)] block ids, None if start == 0
     logits_index: torch.Tensor  # [N] rows of T whose logits are wanted

@@ -16,8 +16,11 @@ share the prompt's KV). A block with ref_count > 1 is read-only: a sequence abou
 one takes its own copy first (`copy_on_write`; `fork_for_append` forks a sequence and gives it its
 own slot for the next token), so freeing a sequence only ever drops its own references.
 
-Prefix hits are verified, never trusted: the block found for a hash must hold the same tokens and
-its recorded parent must be the very block matched just before it. Each registration gets a fresh
+Prefix hits are verified, never trusted: the block found for a hash must hold the same tokens, its
+recorded parent must be the very block matched just before it, and its chain's salt the one asked
+for. The salt says what besides the tokens a block's KV depends on (`ModelConfig.rope_table_key`: a
+length-dependent RoPE rotates a prompt by its whole length's table), so chains of different salts
+never share a block. Each registration gets a fresh
 serial number, so a parent that was evicted and reused no longer matches. A hash collision costs
 a cache miss, never a wrong block. Every operation is O(1) per block named; only
 `check_integrity` and `reset_prefix_cache` scan the pool.
@@ -47,8 +50,8 @@ def hash_block(parent_hash: int, tokens: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def _iter_hashes(token_ids: Sequence[int], block_size: int) -> Iterator[tuple[int, tuple[int, ...]]]:
-    parent = ROOT_HASH
+def _iter_hashes(token_ids: Sequence[int], block_size: int, salt: int = 0) -> Iterator[tuple[int, tuple[int, ...]]]:
+    parent = ROOT_HASH if salt == 0 else hash_block(ROOT_HASH, (salt,))
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         chunk = tuple(token_ids[start : start + block_size])
         parent = hash_block(parent, chunk)
@@ -70,6 +73,7 @@ class Block:
     token_ids: tuple[int, ...] = ()
     serial: int | None = None  # unique per registration: identifies this content
     parent: int | None = None  # serial of the block before it in the chain (_ROOT_SERIAL for the first)
+    salt: int = 0  # its chain's salt
 
 
 class BlockPool:
@@ -172,8 +176,9 @@ class BlockPool:
         table[i] = copy
         return table, (shared, copy)
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Longest run of cached full blocks holding ``token_ids[:k * block_size]``; each gets a reference.
+    def match_prefix(self, token_ids: Sequence[int], salt: int = 0) -> list[int]:
+        """Longest run of cached full blocks holding ``token_ids[:k * block_size]``, registered under
+        ``salt``; each gets a reference.
 
         Callers pass only what they may reuse: ``prompt[:-1]``, so a block-aligned prompt still
         leaves at least one token to compute (its logits give the next token). Returns [] when
@@ -183,12 +188,12 @@ class BlockPool:
             return []
         hits: list[int] = []
         parent = _ROOT_SERIAL
-        for h, chunk in _iter_hashes(token_ids, self.block_size):
+        for h, chunk in _iter_hashes(token_ids, self.block_size, salt):
             bid = self._by_hash.get(h)
             if bid is None:
                 break
             block = self.blocks[bid]
-            if block.token_ids != chunk or block.parent != parent:
+            if block.token_ids != chunk or block.parent != parent or block.salt != salt:
                 break  # hash collision, or the same tokens after a different prefix
             assert block.serial is not None
             parent = block.serial
@@ -199,8 +204,9 @@ class BlockPool:
             self.blocks[bid].ref_count += 1
         return hits
 
-    def commit_full_blocks(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
-        """Register the full blocks of a sequence whose KV for ``token_ids`` is written.
+    def commit_full_blocks(self, block_ids: Sequence[int], token_ids: Sequence[int], salt: int = 0) -> None:
+        """Register the full blocks of a sequence whose KV for ``token_ids`` is written, under ``salt``
+        (what `match_prefix` must be asked with to find them).
 
         Block ``i`` holds tokens ``[i*bs, (i+1)*bs)``; a trailing partial block is left alone, so
         this is called again as the sequence grows (already registered blocks are checked, not redone).
@@ -216,7 +222,7 @@ class BlockPool:
             raise ValueError("repeated block id in one sequence")
         chain: list[tuple[int, tuple[int, ...]]] = []
         if self.enable_prefix_cache:
-            chain = list(_iter_hashes(token_ids[: n_full * self.block_size], self.block_size))
+            chain = list(_iter_hashes(token_ids[: n_full * self.block_size], self.block_size, salt))
         for i, bid in enumerate(block_ids[:n_full]):
             self._check_id(bid)
             block = self.blocks[bid]
@@ -232,7 +238,7 @@ class BlockPool:
             owner_id = self._by_hash.setdefault(h, bid)
             if owner_id == bid:
                 if block.hash is None:
-                    block.hash, block.token_ids, block.serial = h, chunk, self._next_serial
+                    block.hash, block.token_ids, block.serial, block.salt = h, chunk, self._next_serial, salt
                     self._next_serial += 1
                 # Set, or for a block registered earlier whose recorded parent has since been
                 # evicted, relinked to the parent found now (which holds the same prefix).
@@ -240,7 +246,7 @@ class BlockPool:
                 owner = block
             else:
                 owner = self.blocks[owner_id]
-                if (owner.token_ids, owner.parent) != (chunk, parent):
+                if (owner.token_ids, owner.parent, owner.salt) != (chunk, parent, salt):
                     return  # collision with other content: nothing after this block can be matched
             assert owner.serial is not None
             parent = owner.serial
@@ -288,28 +294,34 @@ class BlockPool:
         if not keep_map:
             assert block.hash is not None
             del self._by_hash[block.hash]
-        block.hash, block.token_ids, block.serial, block.parent = None, (), None, None
+        block.hash, block.token_ids, block.serial, block.parent, block.salt = None, (), None, None, 0
 
 
-def fork_for_append(pool: BlockPool, block_ids: Sequence[int], num_tokens: int
-                    ) -> tuple[list[int], tuple[int, int] | None]:
+def fork_for_append(pool: BlockPool, block_ids: Sequence[int], num_tokens: int, share: bool = True
+                    ) -> tuple[list[int], list[tuple[int, int]]]:
     """A new sequence that continues the one whose KV for ``num_tokens`` tokens is in ``block_ids``.
 
     The fork shares every full block (one more reference each) and gets its own slot for token
     ``num_tokens``: a fresh block when ``num_tokens`` is block-aligned, else a private copy of the
     shared partial last block (copy-on-write, done at the fork because the fork's very next token
-    is written there). Returns the fork's table and that copy ``(source, destination)`` for the
-    caller to make on the device once the source holds its KV, or None. Takes exactly one free block;
-    raises `NoFreeBlocksError` (changing nothing) when there is none, ValueError when ``block_ids``
-    cannot hold ``num_tokens`` tokens.
+    is written there). ``share=False``: every block is copied (for sequences that may rewrite their
+    whole KV). Returns the fork's table and the copies ``(source, destination)`` for the caller to
+    make on the device once the sources hold their KV. Takes one free block (``share=False``: one
+    per block of ``num_tokens + 1`` slots); raises `NoFreeBlocksError` (changing nothing) when they
+    are not free, ValueError when ``block_ids`` cannot hold ``num_tokens`` tokens.
     """
-    n_data = -(-num_tokens // pool.block_size)
+    bs = pool.block_size
+    n_data = -(-num_tokens // bs)
     if num_tokens < 1 or len(block_ids) < n_data:
         raise ValueError(f"{len(block_ids)} blocks cannot hold the KV of {num_tokens} tokens")
-    if not pool.can_allocate(1):
-        raise NoFreeBlocksError("a fork needs one free block, none is free")
-    shared = list(block_ids[:n_data])
-    pool.fork(shared)
-    if num_tokens % pool.block_size == 0:
-        return shared + pool.allocate(1), None
-    return pool.copy_on_write(shared, num_tokens)
+    if not pool.can_allocate(1 if share else -(-(num_tokens + 1) // bs)):
+        raise NoFreeBlocksError("a fork needs free blocks of its own, too few are free")
+    table = list(block_ids[:n_data])
+    pool.fork(table)
+    if num_tokens % bs == 0:
+        table += pool.allocate(1)
+    copies: list[tuple[int, int]] = []
+    for pos in range(num_tokens - num_tokens % bs if share else 0, num_tokens, bs):
+        table, copy = pool.copy_on_write(table, pos)
+        copies += [copy] if copy is not None else []
+    return table, copies

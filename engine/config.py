@@ -39,15 +39,48 @@ AUTO_DTYPE = "auto"
 
 
 def fast_dtype(device: str) -> str:
-    """What ``dtype: auto`` means on ``device``: bf16 on CUDA and on CPUs with bf16 arithmetic
-    (AVX512-BF16 or AMX), whose bf16 matmuls run at a multiple of fp32's rate and read half the
-    bytes; fp32 on other CPUs, whose bf16 would be emulated. Greedy exactness against transformers
-    is an fp32 property: ask for float32 for it."""
+    """What ``dtype: auto`` means on ``device`` for a checkpoint that names no dtype (or fp32): bf16
+    on CUDA and on CPUs with bf16 arithmetic (AVX512-BF16 or AMX), whose bf16 matmuls run at a
+    multiple of fp32's rate and read half the bytes; fp32 on other CPUs, whose bf16 would be
+    emulated. Greedy exactness against transformers is an fp32 property: ask for float32 for it."""
     if device.startswith("cuda"):
         return "bfloat16"
     if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
         return "bfloat16"
     return "float32"
+
+
+def auto_dtype(device: str, checkpoint: torch.dtype | None = None) -> str:
+    """What ``dtype: auto`` means for weights stored in ``checkpoint`` (`checkpoint_dtype`; None:
+    unknown) on ``device``. The rule:
+
+    - bf16 checkpoint: bf16 where the device computes in it (`fast_dtype`), else fp32 (a CPU without
+      bf16 matmul: the weights widened, exactly);
+    - fp16 checkpoint: fp16 on CUDA; on a CPU (whose kernels have no fp16 path) bf16 where it
+      computes in bf16, as vLLM does (the values rounded to bf16's 8 bits), else fp32 (exact);
+    - fp32 or unknown: `fast_dtype` (an fp32 checkpoint runs in bf16 where that is fast, as in vLLM).
+    """
+    if checkpoint == torch.float16 and device.startswith("cuda"):
+        return "float16"
+    return fast_dtype(device)
+
+
+def checkpoint_dtype(cfg: dict[str, Any]) -> torch.dtype | None:
+    """The dtype a ``config.json`` says its weights are stored in: its ``torch_dtype``, else ``dtype``
+    (the key newer transformers write); None where it names none (or no float dtype we know)."""
+    name = cfg.get("torch_dtype") or cfg.get("dtype")
+    if not isinstance(name, str):
+        return None
+    return _DTYPES.get(name.lower().removeprefix("torch."))
+
+
+def folder_checkpoint_dtype(folder: str | Path) -> torch.dtype | None:
+    """`checkpoint_dtype` of ``folder/config.json``; None where there is no readable one."""
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return checkpoint_dtype(cfg) if isinstance(cfg, dict) else None
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -72,7 +105,7 @@ class ModelConfig:
     Gemma 3). ``query_pre_attn_scalar``: the attention scale is its inverse square root (Gemma), else
     ``head_dim``'s. ``attn_softcap`` / ``final_softcap``: attention scores / logits pass through
     ``cap * tanh(x / cap)`` (Gemma 2). ``sliding_rope``: the windowed layers' RoPE where it is not
-    the other layers' (``rope_theta``, ``rope_scaling``; Gemma 3's local base).
+    the other layers' (``rope_theta``, ``rope_scaling``, ``partial_rotary_factor``; Gemma 3's local base).
     """
 
     family: str  # a key of `engine.families.FAMILIES`
@@ -98,6 +131,8 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     sliding_rope: RopeParams | None = None
+    checkpoint_dtype: torch.dtype | None = None  # what the weights are stored in (`checkpoint_dtype`)
+    partial_rotary_factor: float = 1.0  # the full-attention layers' share of each head that RoPE rotates
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -122,7 +157,30 @@ class ModelConfig:
         """The RoPE parameters of layer ``layer``."""
         if self.sliding_rope is not None and layer in self.window_layers:
             return self.sliding_rope
-        return RopeParams(self.rope_theta, self.rope_scaling)
+        return RopeParams(self.rope_theta, self.rope_scaling, self.partial_rotary_factor)
+
+    def rope_table_key(self, seq_len: int) -> int:
+        """The RoPE table a forward call of ``seq_len`` tokens uses (`RopeParams.table_key`; only the
+        full-attention layers' RoPE may depend on the length): a prompt's tokens' keys depend on it,
+        so it salts the prefix cache's hash chain."""
+        return RopeParams(self.rope_theta, self.rope_scaling).table_key(seq_len)
+
+    @property
+    def rope_recompute_position(self) -> int | None:
+        """The decode position at which a sequence is recomputed whole instead of decoded (None: never):
+        longrope's ``original_max_position_embeddings``, where transformers' Phi-3 generation, first
+        past it, drops its cache and runs every token again with the long factors."""
+        s = self.rope_scaling
+        return s.original_max_position_embeddings if s is not None and s.rope_type == "longrope" else None
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence this model is served for: ``max_position_embeddings``, times ``factor``
+        for dynamic NTK RoPE, whose base grows past it (vLLM's limit for it)."""
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "dynamic":
+            return int(self.max_position_embeddings * s.factor)
+        return self.max_position_embeddings
 
     @property
     def features(self) -> Family:
@@ -179,7 +237,7 @@ class ModelConfig:
             max_positions = int(cfg.get("max_position_embeddings", 2048))
             _refuse_unsupported(cfg, family, source)
             window, window_layers = _windows(cfg, family, num_layers, source)
-            full_rope, sliding_rope = ropes(cfg, family, max_positions, source)
+            full_rope, sliding_rope = ropes(cfg, family, max_positions, head_dim, source)
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             gemma = family.gemma_attention
@@ -207,6 +265,8 @@ class ModelConfig:
                 attn_softcap=_optional_float(cfg.get("attn_logit_softcapping")) if gemma else None,
                 final_softcap=_optional_float(cfg.get("final_logit_softcapping")) if gemma else None,
                 sliding_rope=sliding_rope if window_layers and sliding_rope != full_rope else None,
+                checkpoint_dtype=checkpoint_dtype(cfg),
+                partial_rotary_factor=full_rope.partial_rotary_factor,
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: config is missing required field {e.args[0]!r}") from None
@@ -287,9 +347,11 @@ def _windows(cfg: dict[str, Any], family: Family, num_layers: int, source: str) 
 class EngineConfig:
     """How one process runs a model: device, dtype, paged-KV geometry and batch limits.
 
-    ``dtype="auto"`` is resolved at construction (`fast_dtype`), so ``dtype`` is always a concrete
-    name after it. A cluster builds its replicas' configs where the app is built: every replica of
-    an app gets the same dtype, and so the same KV layout, whatever node it lands on.
+    ``dtype="auto"`` is resolved at construction (`fast_dtype`: the device's rule, for a checkpoint
+    whose dtype is not known yet), so ``dtype`` is always a concrete name after it; a cluster resolves
+    ``auto`` with the checkpoint's dtype where it can read it (`auto_dtype`) before building this. A
+    cluster builds its replicas' configs where the app is built: every replica of an app gets the
+    same dtype, and so the same KV layout, whatever node it lands on.
     """
 
     device: str = "cpu"
@@ -297,7 +359,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 1024
     max_num_seqs: int = 64
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_model_len: int | None = None  # defaults to the model's `ModelConfig.max_context`
     enable_prefix_cache: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cpu_affinity: tuple[int, ...] = ()  # pin this process to these cores (benchmarks on small machines)

@@ -44,6 +44,20 @@ def timing_lock(config: EngineConfig) -> AbstractContextManager[None]:
     return file_lock(TIMING_LOCK)
 
 
+def log_dtype(stored: torch.dtype | None, config: EngineConfig) -> None:
+    """Says where the engine computes in another dtype than the checkpoint stores, and why."""
+    dtype = config.torch_dtype
+    if stored is None or stored == dtype:
+        return
+    why = ""
+    if stored == torch.bfloat16 and dtype == torch.float32 and config.torch_device.type == "cpu":
+        why = ": this CPU has no bf16 matmul (AVX512-BF16 / AMX), so bf16 weights compute in fp32, exactly widened"
+    elif stored == torch.float16 and config.torch_device.type == "cpu":
+        why = ": the CPU kernels have no fp16 path"
+    log.info("weights stored in %s, computed in %s%s", str(stored).removeprefix("torch."),
+             str(dtype).removeprefix("torch."), why)
+
+
 @dataclass
 class Engine:
     model_config: ModelConfig
@@ -66,6 +80,13 @@ class Engine:
     def blocks_for(self, n_tokens: int) -> int:
         return (n_tokens + self.block_size - 1) // self.block_size
 
+    def prefix_salt(self, prompt_len: int) -> int:
+        """The prefix-cache salt of a prompt of ``prompt_len`` tokens (`BlockPool.match_prefix`): its
+        RoPE table (`ModelConfig.rope_table_key`), on which its blocks' keys depend: 0 for every
+        prompt of a fixed RoPE; longrope's short / long; dynamic NTK's length beyond
+        max_position_embeddings, so only prompts of one length share blocks there."""
+        return self.model_config.rope_table_key(prompt_len)
+
     def check_length(self, n_prompt: int, max_tokens: int = 0) -> None:
         """Refuse a prompt that cannot fit: prompt + requested tokens > max_model_len."""
         if n_prompt < 1:
@@ -84,8 +105,10 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         mcfg = ModelConfig.from_dir(model_dir)
-        max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        weights = load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device)
+        log_dtype(mcfg.checkpoint_dtype, config)
+        max_len = min(config.max_model_len or mcfg.max_context, mcfg.max_context)
+        weights = load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device,
+                               keep_int8=config.quantization == "int8")
         with timing_lock(config):  # kernel timings and compiles, not disturbed by another engine's
             model = build_model(mcfg, weights, max_len, config)
             cache = KVCache.allocate(

@@ -70,7 +70,15 @@ class Family:
     the file's ``query_pre_attn_scalar`` sets the attention scale and its soft-caps
     (``attn_logit_softcapping``, ``final_logit_softcapping``) apply. ``rope_per_layer_type``:
     ``rope_parameters`` may be keyed by layer type, and ``rope_local_base_freq`` is the sliding
-    layers' base (Gemma 3).
+    layers' base (Gemma 3). ``rope_types``: the RoPE types transformers' config class accepts (None:
+    every type), after ``rope_aliases`` (older names it rewrites). ``partial_rotary``: the attention
+    rotates the first ``int(head_dim * partial_rotary_factor)`` dims of each head and passes the rest
+    (Phi-3's; the other families' transformers classes rotate whole heads). ``top_level_original_max``:
+    the config's own ``original_max_position_embeddings`` field (with its default) overrides the RoPE
+    entry's (Phi-3). ``longrope``: the family runs longrope as transformers' Phi-3 does, whose
+    generation drops its cache and recomputes the whole sequence with the long factors when it first
+    grows past ``original_max_position_embeddings`` (`ModelConfig.rope_recompute_position`); other
+    classes would keep the short factors' keys, which no checkpoint of theirs asks for (refused).
     """
 
     name: str
@@ -84,6 +92,11 @@ class Family:
     qkv_bias: bool = False  # q/k/v biases by default (``attention_bias`` may say otherwise)
     gemma_attention: bool = False
     rope_per_layer_type: bool = False
+    rope_types: tuple[str, ...] | None = None
+    rope_aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    partial_rotary: bool = False
+    longrope: bool = False
+    top_level_original_max: bool = False
     windows: WindowRule = "none"
     window_pattern: int = 0  # "pattern": every window_pattern-th layer (1-based) is full
     window_pattern_field: str | None = None  # a config field that overrides window_pattern
@@ -107,7 +120,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), qkv_bias=True, windows="from_max_window_layers"),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), names=_QK_NORM_NAMES, windows="from_max_window_layers"),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), windows="all",
-           names=WeightNames(qkv="model.layers.{i}.self_attn.qkv_proj", gate_up="model.layers.{i}.mlp.gate_up_proj")),
+           names=WeightNames(qkv="model.layers.{i}.self_attn.qkv_proj", gate_up="model.layers.{i}.mlp.gate_up_proj"),
+           rope_types=("default", "longrope"), rope_aliases=MappingProxyType({"su": "longrope", "yarn": "longrope"}),
+           partial_rotary=True, top_level_original_max=True, longrope=True,
+           defaults=MappingProxyType({"max_position_embeddings": 4096, "original_max_position_embeddings": 4096})),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), names=_GEMMA2_NAMES, activation="gelu_tanh",
            activation_field="hidden_activation", norm_offset=True, embed_scale=True, gemma_attention=True,
            windows="pattern", window_pattern=2,

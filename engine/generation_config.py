@@ -7,8 +7,10 @@ Invariants:
   ``generation_config.json``'s ``eos_token_id`` (each an int or a list of ints): Llama 3 Instruct,
   for one, names ``<|eot_id|>`` only in its generation config.
 - ``sampling`` holds only what ``generation_config.json`` writes (``temperature``, ``top_p``,
-  ``top_k``, ``min_p``, ``repetition_penalty``: what vLLM's ``--generation-config auto`` takes but
-  ``max_new_tokens``); a request's own values win over it, as with vLLM's ``--generation-config auto``.
+  ``top_k``, ``min_p``, ``repetition_penalty``, and ``max_new_tokens`` as the default ``max_tokens``:
+  what vLLM's ``--generation-config auto`` takes, bar the penalties the API names alike); a request's
+  own values win over it, as with vLLM's ``--generation-config auto``. ``max_length`` (prompt and
+  output together) is not read, as vLLM does not read it.
 - A value of the wrong type is a `ModelLoadError` naming the file and the field, never ignored.
 """
 
@@ -73,7 +75,8 @@ class GenerationConfig:
                                         top_p=_number(gen, "top_p", float, where),
                                         top_k=_number(gen, "top_k", int, where),
                                         min_p=_number(gen, "min_p", float, where),
-                                        repetition_penalty=_number(gen, "repetition_penalty", float, where))
+                                        repetition_penalty=_number(gen, "repetition_penalty", float, where),
+                                        max_tokens=_number(gen, "max_new_tokens", int, where))
         except ValueError as e:
             raise ModelLoadError(f"{where}: {e}") from None
         return cls(eos_token_ids=tuple(dict.fromkeys(eos)), sampling=sampling)

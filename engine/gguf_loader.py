@@ -1,9 +1,9 @@
 """GGUF (llama.cpp) → Hugging Face folder conversion.
 
-Owns: reading a GGUF file, dequantizing its tensors (to bf16 for the K-quants, else fp32), renaming
-them to Hugging Face Llama/Qwen2 names, undoing llama.cpp's q/k row permutation, and writing an
-HF-style folder (``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
-``generation_config.json``).
+Owns: reading a GGUF file, dequantizing its tensors (to bf16 for the K-quants, else fp32; Q8_0 kept
+as it is stored, below), renaming them to Hugging Face Llama/Qwen2 names, undoing llama.cpp's q/k
+row permutation, and writing an HF-style folder (``config.json``, ``model.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``).
 
 Invariants:
 - The output folder appears whole or not at all: everything is written into a temporary folder beside
@@ -13,8 +13,16 @@ Invariants:
   is ``tuple(reversed(tensor.shape))``, and that is checked, not assumed.
 - Every failure is a `ModelLoadError` whose message starts with the file's path.
 - K-quant tensors (`BF16_TYPES`) are written in bf16, half fp32's bytes: their 2-6 bit values are
-  already far coarser than bf16's rounding. Every other type keeps the fp32 gguf's dequantizer gives
-  (so F16 / BF16 / Q8_0 / Q4_1 files, the bundled model among them, convert as they always did).
+  already far coarser than bf16's rounding. A Q8_0 linear weight (not the token embedding) is
+  written as its int8 values ``X.weight [out, in]`` and its blocks' fp16 scales
+  ``X.weight_scale [out, in / 32]``, exactly the file's numbers (`engine.weights` dequantizes them,
+  or keeps them for the int8 kernel, `engine.group_int8`); such a folder is pdserve's, not one
+  transformers loads. F16 and BF16 tensors are written as stored (``config.json``'s ``torch_dtype``
+  says so where every dense matrix has that dtype). Every other tensor keeps the fp32 gguf's
+  dequantizer gives (so Q4_0 / Q4_1 / Q5 files, the bundled model among them, convert as they did).
+- Memory: the GGUF file is memory-mapped and ``model.safetensors`` written one tensor at a time
+  (`engine.safetensors_stream`), so a conversion holds the mapped file and one tensor, never the
+  whole converted model.
 """
 
 from __future__ import annotations
@@ -29,18 +37,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
 from engine.errors import ModelLoadError
+from engine.safetensors_stream import SafetensorsStream, TensorSpec
 
 #: Bumped whenever the conversion's output changes, so caches built by an older converter are redone.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 #: Written last into every converted folder; `engine.bundled` treats a folder without it as incomplete.
 MARKER_FILE = "pdserve-gguf.json"
 _FINGERPRINT_SPAN = 1 << 20
@@ -67,6 +75,8 @@ SUPPORTED_TYPES = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0,
                              QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K})
 #: Dequantized to bf16 (the K-quants); a 7B Q4_K_M file becomes ~14 GB, not ~28 GB of fp32.
 BF16_TYPES = frozenset({QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K})
+#: Written as the file stores them (their bytes copied): no fp32 copy twice the file's size.
+STORED_TYPES = {QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -131,7 +141,8 @@ def _open(path: Path) -> GGUFReader:
             f"{path}: not a valid GGUF file, or truncated ({type(e).__name__}: {e})") from None
 
 
-def _hf_config(meta: _Meta, arch: str, n_vocab: int, tied: bool, has_qkv_bias: bool) -> dict[str, Any]:
+def _hf_config(meta: _Meta, arch: str, n_vocab: int, tied: bool, has_qkv_bias: bool,
+               dtype: str) -> dict[str, Any]:
     n_head = int(meta.get(f"{arch}.attention.head_count"))
     hidden = int(meta.get(f"{arch}.embedding_length"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_head))
@@ -150,26 +161,60 @@ def _hf_config(meta: _Meta, arch: str, n_vocab: int, tied: bool, has_qkv_bias: b
         "max_position_embeddings": int(meta.get(f"{arch}.context_length")),
         "tie_word_embeddings": tied, "bos_token_id": meta.get("tokenizer.ggml.bos_token_id", None),
         "eos_token_id": eos, "pad_token_id": meta.get("tokenizer.ggml.padding_token_id", None),
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
     }
     if arch == "llama":
         cfg.update(attention_bias=has_qkv_bias, mlp_bias=False)
     return cfg
 
 
-def _tensor(t: ReaderTensor, source: Path) -> torch.Tensor:
-    """The tensor dequantized, in torch's shape order: bf16 for `BF16_TYPES`, else fp32."""
+def _shape(t: ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF ne order → torch order
+
+
+def _keeps_q8(t: ReaderTensor) -> bool:
+    """Whether ``t`` is written as int8 values and block scales: a 2-D Q8_0 tensor a linear layer
+    multiplies by. The token embedding is a table rows are gathered from, written dense as before."""
+    return QT(t.tensor_type) == QT.Q8_0 and len(_shape(t)) == 2 and t.name != "token_embd.weight"
+
+
+def _specs(t: ReaderTensor, hf_name: str, source: Path) -> list[TensorSpec]:
+    """What ``t`` becomes in ``model.safetensors``: its dtype and shape (two tensors for Q8_0)."""
     qtype = QT(t.tensor_type)
     if qtype not in SUPPORTED_TYPES:
         raise ModelLoadError(f"{source}: tensor {t.name!r} has unsupported type {qtype.name}; "
                              f"supported: {sorted(q.name for q in SUPPORTED_TYPES)}")
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF ne order → torch order
+    shape = _shape(t)
+    if _keeps_q8(t):
+        rows, cols = shape
+        block = GGML_QUANT_SIZES[QT.Q8_0][0]
+        return [TensorSpec(hf_name, torch.int8, shape),
+                TensorSpec(hf_name + "_scale", torch.float16, (rows, cols // block))]
+    if qtype in STORED_TYPES:
+        return [TensorSpec(hf_name, STORED_TYPES[qtype], shape)]
+    return [TensorSpec(hf_name, torch.bfloat16 if qtype in BF16_TYPES else torch.float32, shape)]
+
+
+def _tensors(t: ReaderTensor, source: Path) -> list[torch.Tensor]:
+    """The tensor as `_specs` says, in torch's shape order: Q8_0 as (int8 values, fp16 scales) read
+    straight from its blocks, F16 / BF16 as stored; else dequantized, bf16 for `BF16_TYPES`, else fp32."""
+    qtype = QT(t.tensor_type)
+    shape = _shape(t)
     try:
+        if _keeps_q8(t):
+            block, size = GGML_QUANT_SIZES[QT.Q8_0]  # 32 values, 34 bytes: fp16 scale, then 32 int8
+            raw = np.asarray(t.data).reshape(-1, size)
+            scale = raw[:, :2].copy().view(np.float16).reshape(shape[0], shape[1] // block)
+            q = raw[:, 2:].copy().view(np.int8).reshape(shape)
+            return [torch.from_numpy(q), torch.from_numpy(scale)]
+        if qtype in STORED_TYPES:  # the bytes as they are (gguf gives F16 as float16, BF16 as raw bytes)
+            data = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1).copy()
+            return [torch.from_numpy(data).view(STORED_TYPES[qtype]).reshape(shape)]
         arr = np.asarray(dequantize(t.data, qtype), dtype=np.float32).reshape(shape)
     except ValueError as e:
         raise ModelLoadError(f"{source}: tensor {t.name!r} ({qtype.name}, {shape}) is damaged: {e}") from None
-    w = torch.from_numpy(arr.copy())
-    return w.to(torch.bfloat16) if qtype in BF16_TYPES else w
+    w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # (F32: a view of the mapped file)
+    return [w.to(torch.bfloat16) if qtype in BF16_TYPES else w]
 
 
 def _build_tokenizer(meta: _Meta) -> tuple[HFTokenizer, dict[str, Any]]:
@@ -243,24 +288,32 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) ->
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by every replica on the host
-        tensors: dict[str, torch.Tensor] = {}
-        bar = tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress)
-        for t in bar:
+        plan: list[tuple[ReaderTensor, str]] = []
+        specs: list[TensorSpec] = []
+        for t in reader.tensors:
             try:
                 hf_name = hf_tensor_name(t.name)
             except KeyError:
                 raise ModelLoadError(f"{gguf_path}: unexpected tensor {t.name!r} for arch {arch!r}") from None
-            w = _tensor(t, gguf_path)
-            if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
-                w = unpermute_qk(w, n_head if ".attn_q." in t.name else n_kv)
-            tensors[hf_name] = w
-        if "model.embed_tokens.weight" not in tensors:
+            plan.append((t, hf_name))
+            specs += _specs(t, hf_name, gguf_path)
+        shapes = {s.name: s.shape for s in specs}
+        if "model.embed_tokens.weight" not in shapes:
             raise ModelLoadError(f"{gguf_path}: no token_embd.weight tensor")
-        n_vocab = tensors["model.embed_tokens.weight"].shape[0]
-        has_bias = "model.layers.0.self_attn.q_proj.bias" in tensors
-        config = _hf_config(meta, arch, n_vocab, tied="lm_head.weight" not in tensors, has_qkv_bias=has_bias)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        del tensors
+        n_vocab = shapes["model.embed_tokens.weight"][0]
+        has_bias = "model.layers.0.self_attn.q_proj.bias" in shapes
+        matrices = {s.dtype for s in specs if len(s.shape) == 2 and s.dtype != torch.int8 and
+                    not s.name.endswith("_scale")}  # the dense weights' dtype, where they share one
+        dtype = str(matrices.pop()).removeprefix("torch.") if len(matrices) == 1 else "float32"
+        config = _hf_config(meta, arch, n_vocab, tied="lm_head.weight" not in shapes, has_qkv_bias=has_bias,
+                            dtype=dtype)
+        with SafetensorsStream(tmp / "model.safetensors", specs, metadata={"format": "pt"}) as out:
+            for t, hf_name in tqdm(plan, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress):
+                parts = _tensors(t, gguf_path)
+                if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):  # rows, with their scales
+                    parts = [unpermute_qk(w, n_head if ".attn_q." in t.name else n_kv) for w in parts]
+                for spec_name, w in zip([hf_name, hf_name + "_scale"], parts, strict=False):
+                    out.write(spec_name, w)
         tokenizer.save(str(tmp / "tokenizer.json"))
         tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "chat_template": template,
                    "clean_up_tokenization_spaces": False,

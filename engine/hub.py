@@ -84,3 +84,11 @@ def hub_model_dir(repo_id: str, progress: bool = True) -> Path:
         hint = " (downloads are off: HF_HUB_OFFLINE=1)" if offline else " (the repository does not have them)"
         raise ModelLoadError(f"hub model {repo_id!r}: {folder} in {where} lacks {', '.join(missing)}{hint}")
     return folder
+
+
+def cached_file(repo_id: str, name: str) -> Path | None:
+    """``name`` of ``repo_id``'s main revision where huggingface_hub's cache holds it, else None (never downloads)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, name)
+    return Path(found) if isinstance(found, str) else None

@@ -7,7 +7,9 @@ counts: dense fp32/bf16 where oneDNN can prepack the dtype, `PackedLinear`'s ``"
 ``"plain"``; dense without oneDNN packing (bf16 on CPUs without AVX-512/AVX-NE), ``"plain"``
 (``F.linear``) and ``"upcast"`` (`UpcastLinear`: many rows in fp32); int8, ``"int8"``
 (`Int8Linear`); and in each case ``"native"`` (`engine.native_linear`, the C++ matrix-vector
-kernel for few rows around the plain, upcast or int8 kernel) where it builds. Why measure: the
+kernel for few rows around the plain, upcast or int8 kernel) where it builds. A class holding
+group-quantized weights (a GGUF's Q8_0, `engine.group_int8`) is not timed: ``"native"`` over
+``"int8_group"`` where the C++ kernel builds, else ``"int8_group"`` (a dense member: ``"int8"``). Why measure: the
 fastest few-row kernel differs between CPUs (BLAS gemv on plain weights, oneDNN's prepacked
 weights with or without AMX, or the C++ kernel, depending on the vector units), and decode at small
 batches is where a step's time is the weight read.
@@ -45,7 +47,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.native_linear import NativeLinear, native_linear_error
+from engine.group_int8 import GroupInt8Linear, GroupQuantized, Weight
+from engine.native_linear import NativeLinear, native_applies, native_linear_error
 from engine.quant import Linear, PackedLinear, UpcastLinear, make_linear, onednn_applies
 
 LINEAR_KERNELS = ("auto", "packed", "plain", "native")
@@ -68,7 +71,7 @@ class KernelChoice:
     out_features: int
     in_features: int
     count: int  # layers in the class
-    format: str  # "packed" | "plain" | "upcast" | "int8" | "native"
+    format: str  # "packed" | "plain" | "upcast" | "int8" | "int8_group" (`engine.group_int8`) | "native"
     ms_per_pass: dict[str, dict[int, float]] = field(default_factory=dict)  # format → rows → ms
     native_max_rows: int = 0  # "native": the most rows its C++ kernel takes; more go to the kernel it wraps
     wraps: str = ""  # "native": the format of that kernel ("packed": the plain weight is kept beside it)
@@ -195,9 +198,28 @@ def pick(ms: Mapping[str, Mapping[int, float]], margin: float) -> str:
     return best if ratio(best) < 1.0 - margin else default
 
 
+def _group_linears(name: str, pairs: Sequence[tuple[Weight, torch.Tensor | None]],
+                   mode: str) -> tuple[list[Linear], KernelChoice]:
+    """A class holding group-quantized weights: `GroupInt8Linear`s (`Int8Linear` for a dense member),
+    each wrapped in the C++ kernel up to its most rows where it builds (untimed: the torch kernel
+    dequantizes the whole weight on every call, which decode rows cannot win back)."""
+    out_f, in_f = pairs[0][0].shape
+    kernels = [GroupInt8Linear(w, b) if isinstance(w, GroupQuantized) else make_linear(w, b, quantization="int8")
+               for w, b in pairs]
+    cpu = all(k.weight.device.type == "cpu" for k in kernels)
+    if mode == "native" and (not cpu or native_linear_error() is not None):
+        why = native_linear_error() or "the weights are not on the CPU"
+        raise RuntimeError(f"linear_kernels='native' cannot run here: {why}")
+    if not cpu or native_linear_error() is not None or not all(native_applies(k) for k in kernels):
+        return kernels, KernelChoice(name, out_f, in_f, len(pairs), "int8_group")
+    return ([NativeLinear(k) for k in kernels],
+            KernelChoice(name, out_f, in_f, len(pairs), "native", native_max_rows=NativeLinear.MAX_ROWS,
+                         wraps="int8_group"))
+
+
 def build_linears(
     name: str,
-    weights: Sequence[torch.Tensor],
+    weights: Sequence[Weight],
     biases: Sequence[torch.Tensor | None],
     *,
     fast: bool = True,
@@ -208,11 +230,15 @@ def build_linears(
     """The kernels of one class (one per weight, in order) and the format choice (None: reference path)."""
     if mode not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear_kernels {mode!r}; expected one of {LINEAR_KERNELS}")
-    w0 = weights[0]
     pairs = list(zip(weights, biases, strict=True))
+    out_f, in_f = weights[0].shape
+    if any(isinstance(w, GroupQuantized) for w in weights):  # Q8_0 weights as the file has them
+        return _group_linears(name, pairs, mode)
+    dense = [w for w in weights if isinstance(w, torch.Tensor)]  # (all of them)
+    dense_pairs = list(zip(dense, biases, strict=True))
+    w0 = dense[0]
     if quantization is None and not fast:
-        return [make_linear(w, b, fast=False) for w, b in pairs], None
-    out_f, in_f = w0.shape
+        return [make_linear(w, b, fast=False) for w, b in dense_pairs], None
     builders = formats(w0, quantization)
     if mode == "native" and "native" not in builders:
         why = native_linear_error() or f"not for {w0.dtype} weights on {w0.device}"
@@ -220,12 +246,12 @@ def build_linears(
     if mode != "auto" or len(builders) == 1:
         # pinned, or nothing to choose from; int8 / no oneDNN: the dense modes are moot, the default runs
         fmt = mode if mode in builders else next(iter(builders))
-        kernels = [builders[fmt](w, b) for w, b in pairs]
+        kernels = [builders[fmt](w, b) for w, b in dense_pairs]
         if fmt == "native":
-            return kernels, KernelChoice(name, out_f, in_f, len(weights), fmt, native_max_rows=NativeLinear.MAX_ROWS,
+            return kernels, KernelChoice(name, out_f, in_f, len(dense), fmt, native_max_rows=NativeLinear.MAX_ROWS,
                                          wraps=wrapped_format(builders))
-        return kernels, KernelChoice(name, out_f, in_f, len(weights), fmt)
-    built, ms = time_formats(weights, biases, builders)
+        return kernels, KernelChoice(name, out_f, in_f, len(dense), fmt)
+    built, ms = time_formats(dense, biases, builders)
     cands = with_native_limits(ms)
     fmt = pick({f: t for f, t in cands.items() if not f.endswith("+packed")}, margin)
     if copies := {f: t for f, t in cands.items() if f.endswith("+packed")}:
@@ -233,15 +259,15 @@ def build_linears(
         fmt = pick({fmt: cands[fmt], **copies}, margin)
     over, limit = fmt, 0  # "native": up to `limit` rows, the kernel of format `over` beyond
     if fmt == "native":
-        return built[fmt], KernelChoice(name, out_f, in_f, len(weights), fmt, ms, NativeLinear.MAX_ROWS,
+        return built[fmt], KernelChoice(name, out_f, in_f, len(dense), fmt, ms, NativeLinear.MAX_ROWS,
                                         wrapped_format(built))
     if fmt.startswith("native<="):
         over = "packed" if fmt.endswith("+packed") else wrapped_format(built)
         limit = int(fmt.removeprefix("native<=").removesuffix("+packed"))
-    if over != "packed" or sum(w.numel() * w.element_size() for w in weights) <= STEP_COPY_MAX_BYTES:
+    if over != "packed" or sum(w.numel() * w.element_size() for w in dense) <= STEP_COPY_MAX_BYTES:
         limit = max(limit, native_prefix(ms, over, STEP_TOLERANCE))
     if not limit:
-        return built[fmt], KernelChoice(name, out_f, in_f, len(weights), fmt, ms)
+        return built[fmt], KernelChoice(name, out_f, in_f, len(dense), fmt, ms)
     kernels = [NativeLinear(k, max_rows=limit, plain=w.contiguous() if over == "packed" else None)
-               for k, w in zip(built[over], weights, strict=True)]
-    return kernels, KernelChoice(name, out_f, in_f, len(weights), "native", ms, limit, over)
+               for k, w in zip(built[over], dense, strict=True)]
+    return kernels, KernelChoice(name, out_f, in_f, len(dense), "native", ms, limit, over)

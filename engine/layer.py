@@ -1,7 +1,8 @@
 """One decoder layer's pieces that the forwards (`engine.model`) share: its weights in their
 kernels' formats (`LayerKernels`, built one class of linears at a time by `build_layer_kernels`, norm
-gains folded into the next weight on the fast path), RMSNorm in both families' orders, a forward's RoPE per table
-(`Rotation`) and a windowed layer's decode metadata (`windowed_meta`).
+gains folded into the next weight on the fast path, or carried by a group-quantized one's kernel),
+RMSNorm in both families' orders, a forward's RoPE per table (`Rotation`) and a windowed layer's
+decode metadata (`windowed_meta`).
 
 Invariants: nothing here keeps per-request state; `rms_norm` matches transformers' Llama and Gemma
 norms op for op.
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.attention import PagedDecodeMeta, visible_keys
+from engine.group_int8 import GroupQuantized, Weight
 from engine.kernel_choice import KernelChoice, build_linears
 from engine.native_rope import RopeStore
 from engine.quant import Linear
@@ -24,10 +26,12 @@ from engine.weights import LayerWeights
 @dataclass
 class Rotation:
     """One forward's RoPE, one entry per table of `LlamaModel.ropes` (a layer's is ``LayerKernels.rope``):
-    the native stores, or the eager fast path's gathered (cos, signed sin) [T, 1, D]; empty where unused."""
+    the native stores, or the eager fast path's gathered (cos, signed sin) [T, 1, R]; empty where unused.
+    ``lens`` [T]: each token's forward-call length, for a length-dependent RoPE (else None)."""
 
     tables: list[tuple[torch.Tensor, torch.Tensor]]
     stores: list[RopeStore | None]
+    lens: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gain_in_fp32: bool = False) -> torch.Tensor:
@@ -56,11 +60,15 @@ class LayerKernels:
     rope: int = 0  # index of the layer's RoPE tables in `LlamaModel.ropes`
 
 
-def fold(w: torch.Tensor, norm: torch.Tensor | None, fast: bool) -> torch.Tensor:
-    """W @ (g * x) == (W * g) @ x: the fast path folds the RMSNorm gain g into the next weight."""
-    if fast and norm is not None:
-        return (w.float() * norm.float()).to(w.dtype)
-    return w
+def fold(w: Weight, norm: torch.Tensor | None, fast: bool) -> Weight:
+    """W @ (g * x) == (W * g) @ x: the fast path folds the RMSNorm gain g into the next weight. A
+    group-quantized weight cannot take g exactly (g varies within a group): it carries g to its
+    kernel, which multiplies the normed activations by it (`engine.group_int8`)."""
+    if not fast or norm is None:
+        return w
+    if isinstance(w, GroupQuantized):
+        return w.with_gain(norm)
+    return (w.float() * norm.float()).to(w.dtype)
 
 
 def build_layer_kernels(lws: Sequence[LayerWeights], ropes: Sequence[int], *, fast: bool, quantization: str | None,
@@ -70,7 +78,7 @@ def build_layer_kernels(lws: Sequence[LayerWeights], ropes: Sequence[int], *, fa
     One class of linears at a time (so `engine.kernel_choice` can time a class as a step streams
     it); the loaded tensors are not kept where a packed or int8 kernel replaces them."""
     none: list[torch.Tensor | None] = [None] * len(lws)
-    classes: dict[str, Callable[[], tuple[list[torch.Tensor], list[torch.Tensor | None]]]] = {
+    classes: dict[str, Callable[[], tuple[list[Weight], list[torch.Tensor | None]]]] = {
         "qkv": lambda: ([fold(lw.qkv, lw.input_norm, fast) for lw in lws], [lw.qkv_bias for lw in lws]),  # Qwen2
         "o_proj": lambda: ([lw.o_proj for lw in lws], none),
         "gate_up": lambda: ([fold(lw.gate_up, lw.post_norm, fast) for lw in lws], none),

@@ -52,7 +52,7 @@ from engine.native_linear import NativeLinear
 from engine.native_rope import MAX_HEAD_DIM, RopeStore, native_rope_error
 from engine.native_step import NativeDecodeStep, native_step_error
 from engine.quant import Linear
-from engine.rope import RopeTables, RotaryEmbedding
+from engine.rope import RopeTables, RotaryEmbedding, rotate_rolled
 from engine.weights import ModelWeights
 
 
@@ -90,6 +90,8 @@ class LlamaModel:
         params = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
         distinct = list(dict.fromkeys(params))  # the first layer's first: the one most models have alone
         self.ropes = [RopeTables(RotaryEmbedding(cfg, max_positions, self.device, p), self.dtype) for p in distinct]
+        # longrope / dynamic NTK: a token's table depends on its forward call's length (`engine.rope_params`)
+        self.length_dependent = any(p.length_dependent for p in distinct)
         self.scale = cfg.attention_scale
         self.attn_softcap, self.final_softcap = cfg.attn_softcap, cfg.final_softcap
         self.norm_offset = features.norm_offset
@@ -197,15 +199,14 @@ class LlamaModel:
         if not self.fast:
             q, k, _ = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q, k = self.ropes[lk.rope].rope.apply(q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd),
-                                                  positions)
+                                                  positions, rot.lens)
         elif store is not None:
             store(qkv, k_cache, v_cache)  # rotates q and k in place, then stores k and v
             qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, hd)
             return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
         else:
-            cos, sin = rot.tables[lk.rope]  # [T, 1, D] each, in the activation dtype
             qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, hd)
-            qk = torch.addcmul(qk * cos, torch.roll(qk, hd // 2, dims=-1), sin)  # [T, H + KV, D]
+            qk = rotate_rolled(qk, *rot.tables[lk.rope])  # [T, H + KV, D]
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         write_kv(k_cache, v_cache, slots, k, v)
         return q, k, v
@@ -218,17 +219,20 @@ class LlamaModel:
         k = self._norm(qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, hd), k_norm)
         return torch.cat([q.reshape(t, -1), k.reshape(t, -1), qkv[:, cfg.q_size + cfg.kv_size :]], -1)
 
-    def _rotation(self, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> Rotation:
+    def _rotation(self, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
+                  lens: torch.Tensor | None) -> Rotation:
         """A forward's RoPE, per distinct table: the native store (positions and slots checked once)
-        where the model has one, else the tables gathered at ``positions`` on the eager fast path."""
+        where the model has one, else the tables gathered at ``positions`` on the eager fast path.
+        ``lens`` [T]: each token's forward-call length (a length-dependent RoPE's table), else None."""
+        cfg = self.cfg
         if self.native_rope:
             cache_slots = cache.k[0].shape[0] * cache.k[0].shape[1]
-            return Rotation([], [r.store(positions, slots, self.cfg.num_heads, self.cfg.num_kv_heads, cache_slots)
-                                 for r in self.ropes])
+            return Rotation([], [r.store(positions, slots, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache_slots,
+                                         lens) for r in self.ropes], lens)
         nones: list[RopeStore | None] = [None] * len(self.ropes)
         if not self.fast:
-            return Rotation([], nones)  # the reference path rotates layer by layer
-        return Rotation([r.gathered(positions) for r in self.ropes], nones)
+            return Rotation([], nones, lens)  # the reference path rotates layer by layer
+        return Rotation([r.gathered(positions, lens) for r in self.ropes], nones, lens)
 
     def _attention_out(self, lk: LayerKernels, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h + o_proj(attn) [T, hidden] (the add fused into o_proj), or with a norm on o_proj's output first."""
@@ -271,7 +275,11 @@ class LlamaModel:
         cfg = self.cfg
         h = self._embed(batch.token_ids)  # [T, hidden]
         bs = cache.block_size
-        rot = self._rotation(batch.positions, batch.slots, cache)
+        lens = None  # each token's table is its whole prompt's (transformers' one prefill call)
+        if self.length_dependent:
+            lens = torch.repeat_interleave(torch.tensor(batch.prompt_lens, device=self.device),
+                                           torch.tensor(batch.seq_lens, device=self.device))  # [T]
+        rot = self._rotation(batch.positions, batch.slots, cache, lens)
         for li, lk in enumerate(self.layers):
             q, k, v = self._qkv(lk, h, batch.positions, rot, cache.k[li], cache.v[li], batch.slots)
             outs = []
@@ -305,7 +313,7 @@ class LlamaModel:
             PagedDecodeMeta(block_ids=batch.block_table.reshape(-1), bias=batch.bias, batch=b, n_blocks=n_blocks)
         ]
         h = self._embed(batch.token_ids)  # [B, hidden]
-        rot = self._rotation(batch.positions, batch.slots, cache)
+        rot = self._rotation(batch.positions, batch.slots, cache, self._decode_lens(batch))
         store = rot.stores[0]
         if self.native_step is not None and store is not None and b <= self.native_step.max_rows:
             return self.native_step(h, store, batch.block_table, cache.k, cache.v).float()  # same as the loop below
@@ -318,6 +326,10 @@ class LlamaModel:
             h = self._attention_out(lk, attn, h)
             h = self._mlp(lk, h)
         return self._logits(h)
+
+    def _decode_lens(self, batch: DecodeBatch) -> torch.Tensor | None:
+        """A decode token at position p is its own forward call of p + 1 tokens (transformers' decode step)."""
+        return batch.positions + 1 if self.length_dependent else None
 
     def _grouped_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[PagedDecodeMeta],
@@ -363,7 +375,7 @@ class LlamaModel:
         slot_table = batch.block_table[:, cols // bs] * bs + cols % bs  # [B, L]
         h = self._embed(batch.token_ids)  # [B, hidden]
         b = h.shape[0]
-        rot = self._rotation(batch.positions, batch.slots, cache)
+        rot = self._rotation(batch.positions, batch.slots, cache, self._decode_lens(batch))
         for li, lk in enumerate(self.layers):
             q, _, _ = self._qkv(lk, h, batch.positions, rot, cache.k[li], cache.v[li], batch.slots)
             w = self.windows[li]

@@ -3,7 +3,9 @@
 Owns: loading ``engine/csrc/small_linear.cpp`` (built by `engine.native_build`), `native_linear_error`,
 and `NativeLinear`, a kernel with `engine.quant.Linear`'s interface that runs up to ``max_rows``
 rows (decode batches) through the C++ kernel and more rows (prefill) through the kernel it wraps,
-over the same plain weight (fp32, bf16, or the int8 weight + scales of an `Int8Linear`).
+over the same plain weight (fp32, bf16, the int8 weight + scales of an `Int8Linear`, or the int8
+weight + group scales of a `GroupInt8Linear`, whose RMSNorm gain it applies to the normed rows:
+``csrc/small_linear_group.h``).
 
 Why: a decode step at small batches is the weight read, and the eager ops around each matrix-vector
 product cost a dispatcher call each; torch's kernels do not reach the memory bandwidth there on every
@@ -31,12 +33,14 @@ import functools
 
 import torch
 
+from engine.group_int8 import GroupInt8Linear
 from engine.native_build import CSRC, build_with, unavailable_reason
 from engine.quant import Int8Linear, Linear, PackedLinear
 
 SOURCE = CSRC / "small_linear.cpp"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _P, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+_GROUP_ARGTYPES = [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_float, ctypes.c_int]
 _NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8"}
 _ACTS = (torch.float32, torch.bfloat16)
 PRE_NONE, PRE_RMS, PRE_GLU = 0, 1, 2
@@ -46,7 +50,11 @@ PRE_NONE, PRE_RMS, PRE_GLU = 0, 1, 2
 def load() -> ctypes.CDLL:
     """The built library (compiled on the first call in any process, ~2 s, then reused)."""
     names = [f"small_linear_{_NAMES[x]}_{w}" for x in _ACTS for w in _NAMES.values()]
-    return build_with(SOURCE, names, _ARGTYPES)
+    lib = build_with(SOURCE, names, _ARGTYPES)
+    for x in _ACTS:
+        fn = getattr(lib, f"small_linear_group_{_NAMES[x]}")
+        fn.argtypes, fn.restype = _GROUP_ARGTYPES, None
+    return lib
 
 
 def native_linear_error() -> str | None:
@@ -58,6 +66,8 @@ def native_applies(kernel: Linear) -> bool:
     """Whether `NativeLinear` can wrap ``kernel``: a CPU int8 kernel, or a dense fp32/bf16 one whose
     ``weight`` is the plain ``[out, in]`` tensor (not oneDNN's packed layout)."""
     if isinstance(kernel, PackedLinear) and kernel.format == "packed":
+        return False
+    if isinstance(kernel, GroupInt8Linear) and kernel.packed.group % 16:
         return False
     w = kernel.qweight if isinstance(kernel, Int8Linear) else kernel.weight
     return (w.device.type == "cpu" and w.dtype in _NAMES and w.dim() == 2 and w.is_contiguous()
@@ -97,6 +107,12 @@ class NativeLinear(Linear):
         self._scale = base.scale.float().contiguous() if isinstance(base, Int8Linear) else None  # [out]
         self._bias = base.bias.float().contiguous() if base.bias is not None else None  # [out]
         self._fns = {x: getattr(lib, f"small_linear_{_NAMES[x]}_{_NAMES[w.dtype]}") for x in _ACTS}
+        # int8 with a scale per group of inputs (`engine.group_int8`): its own entry point, the gain on pre(x)
+        self.group, self._gain = 0, None
+        if isinstance(base, GroupInt8Linear):
+            self.group, self._scale = base.packed.group, base.packed.scale.float().contiguous()  # [out, in / group]
+            self._gain = None if base.gain is None else base.gain.float().contiguous()  # [in]
+            self._fns = {x: getattr(lib, f"small_linear_group_{_NAMES[x]}") for x in _ACTS}
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +128,11 @@ class NativeLinear(Linear):
         """What the kernel reads: the weight [out, in] (fp32, bf16 or int8) and the fp32 scale and bias
         [out] (None where absent), for callers that run it from C++ (`engine.native_step`)."""
         return self._w, self._scale, self._bias
+
+    def grouping(self) -> tuple[int, torch.Tensor | None]:
+        """For int8 weights with group scales: the inputs per scale and the fp32 gain [in] the RMSNorm
+        prologue applies (or None); (0, None) for every other weight."""
+        return self.group, self._gain
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in] → [T, out] (+ residual [T, out])."""
@@ -143,7 +164,13 @@ class NativeLinear(Linear):
                 raise ValueError(f"residual must be [{m}, {n}] on the CPU, got {tuple(residual.shape)}")
             r = residual.to(x.dtype).contiguous()
         y = torch.empty(m, n, dtype=x.dtype)  # [T, out]
-        fn(x.data_ptr(), self._w.data_ptr(), None if self._scale is None else self._scale.data_ptr(),
-           None if self._bias is None else self._bias.data_ptr(), None if r is None else r.data_ptr(),
-           y.data_ptr(), m, n, self.in_features, pre, eps, torch.get_num_threads())
+        scale, bias = (None if t is None else t.data_ptr() for t in (self._scale, self._bias))
+        res = None if r is None else r.data_ptr()
+        if self.group:
+            gain = None if self._gain is None or pre != PRE_RMS else self._gain.data_ptr()
+            fn(x.data_ptr(), self._w.data_ptr(), scale, self.group, gain, bias, res, y.data_ptr(), m, n,
+               self.in_features, pre, eps, torch.get_num_threads())
+        else:
+            fn(x.data_ptr(), self._w.data_ptr(), scale, bias, res, y.data_ptr(), m, n, self.in_features, pre, eps,
+               torch.get_num_threads())
         return y

@@ -36,8 +36,12 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _ACTS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
+_GROUPED = 3  # int8 with a scale per group of inputs (`engine.group_int8`)
+
+
 class _Lin(ctypes.Structure):
-    _fields_ = [("w", _P), ("scale", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I)]
+    _fields_ = [("w", _P), ("scale", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I), ("group", _I),
+                ("gain", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -46,10 +50,10 @@ class _Layer(ctypes.Structure):
 
 class _Args(ctypes.Structure):
     _fields_ = [
-        ("B", _I), ("num_layers", _I), ("H", _I), ("KV", _I), ("D", _I), ("BS", _I), ("NB", _I), ("hidden", _I),
-        ("nthreads", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
-        ("lm_head", _Lin), ("cos", _P), ("sin", _P), ("pos", _P), ("slots", _P), ("table", _P), ("lens", _P),
-        ("h", _P), ("logits", _P),
+        ("B", _I), ("num_layers", _I), ("H", _I), ("KV", _I), ("D", _I), ("R", _I), ("BS", _I), ("NB", _I),
+        ("hidden", _I), ("nthreads", _I), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("layers", ctypes.POINTER(_Layer)), ("lm_head", _Lin), ("cos", _P), ("sin", _P), ("pos", _P), ("slots", _P),
+        ("table", _P), ("lens", _P), ("h", _P), ("logits", _P),
     ]
 
 
@@ -74,8 +78,9 @@ def _lin(kernel: Linear, n: int, k: int, name: str) -> _Lin:
     if (kernel.out_features, kernel.in_features) != (n, k):
         raise ValueError(f"{name} is [{kernel.out_features}x{kernel.in_features}], the step needs [{n}x{k}]")
     w, scale, bias = kernel.operands()
+    group, gain = kernel.grouping()
     return _Lin(w.data_ptr(), None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr(),
-                _KINDS[w.dtype], n, k)
+                _GROUPED if group else _KINDS[w.dtype], n, k, group, None if gain is None else gain.data_ptr())
 
 
 class NativeDecodeStep:
@@ -137,10 +142,10 @@ class NativeDecodeStep:
                              f"{tuple(h.shape)}")
         if not 1 <= b <= self.max_rows:
             raise ValueError(f"the native step takes 1..{self.max_rows} sequences, got {b}")
-        if (store.positions.shape[0], store.num_heads, store.num_kv_heads, store.cos.shape[1]) != \
+        if (store.positions.shape[0], store.num_heads, store.num_kv_heads, store.head_dim) != \
                 (b, self.heads, self.kv_heads, self.head_dim):
             raise ValueError(f"the rope store is for {store.positions.shape[0]} tokens of {store.num_heads}/"
-                             f"{store.num_kv_heads} heads of {store.cos.shape[1]}, the step has {b} of "
+                             f"{store.num_kv_heads} heads of {store.head_dim}, the step has {b} of "
                              f"{self.heads}/{self.kv_heads} of {self.head_dim}")
         layers = self._layer_array(k_cache, v_cache)
         bs = k_cache[0].shape[1]
@@ -154,9 +159,9 @@ class NativeDecodeStep:
         if int(lens.max()) > table.shape[1] * bs:
             raise ValueError(f"a position lies past its block table ({table.shape[1]} blocks of {bs})")
         logits = torch.empty(b, self.vocab, dtype=self.dtype)  # [B, vocab]
-        args = _Args(b, len(self._layers), self.heads, self.kv_heads, self.head_dim, bs, table.shape[1], self.hidden,
-                     torch.get_num_threads(), self.eps, self.scale, layers, self._lm_head, store.cos.data_ptr(),
-                     store.sin_signed.data_ptr(), store.positions.data_ptr(), store.slots.data_ptr(),
+        args = _Args(b, len(self._layers), self.heads, self.kv_heads, self.head_dim, store.cos.shape[1], bs,
+                     table.shape[1], self.hidden, torch.get_num_threads(), self.eps, self.scale, layers, self._lm_head,
+                     store.cos.data_ptr(), store.sin_signed.data_ptr(), store.rows.data_ptr(), store.slots.data_ptr(),
                      table.data_ptr(), lens.data_ptr(), h.data_ptr(), logits.data_ptr())
         self._fn(ctypes.byref(args))
         return logits

@@ -26,20 +26,27 @@ from engine.prompt_logprobs import PromptLogprobs, ScoreAsk, score_rows
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """``token_ids`` are positions ``start_pos .. start_pos + len - 1`` of one sequence."""
+    """``token_ids`` are positions ``start_pos .. start_pos + len - 1`` of one sequence whose prompt
+    has ``prompt_len`` tokens (None: this chunk ends it). A chunked prefill must say it: a
+    length-dependent RoPE (longrope, dynamic NTK) rotates every prompt token by the table of the
+    whole prompt's length, as transformers' one prefill call does."""
 
     token_ids: Sequence[int]
     start_pos: int
     block_table: Sequence[int]
+    prompt_len: int | None = None
 
 
 @dataclass(frozen=True)
 class DecodeSeq:
-    """Feed ``token_id`` at ``position`` (the KV of positions ``< position`` is cached)."""
+    """Feed ``token_id`` at ``position`` (the KV of positions ``< position`` is cached). ``history``:
+    the tokens at positions ``0 .. position - 1``, needed only at the model's
+    `ModelConfig.rope_recompute_position`, where the step recomputes the whole sequence."""
 
     token_id: int
     position: int
     block_table: Sequence[int]
+    history: Sequence[int] | None = None
 
 
 class ModelRunner:
@@ -97,6 +104,7 @@ class ModelRunner:
         slots: list[int] = []
         ctx_blocks: list[torch.Tensor | None] = []
         seq_lens: list[int] = []
+        prompt_lens: list[int] = []
         starts: list[int] = []
         last_rows: list[int] = []
         for c in chunks:
@@ -104,6 +112,8 @@ class ModelRunner:
             if n == 0:
                 raise ValueError("prefill chunk with no tokens")
             end = c.start_pos + n
+            if c.prompt_len is not None and c.prompt_len < end:
+                raise ValueError(f"a prefill chunk ends at {end}, past its prompt of {c.prompt_len} tokens")
             need = self._check_table(c.block_table, end - 1)
             table = list(c.block_table[:need])
             positions.extend(range(c.start_pos, end))
@@ -113,6 +123,7 @@ class ModelRunner:
             )
             tokens.extend(c.token_ids)
             seq_lens.append(n)
+            prompt_lens.append(end if c.prompt_len is None else c.prompt_len)
             starts.append(c.start_pos)
             last_rows.append(len(tokens) - 1)
         total = len(tokens)
@@ -121,6 +132,7 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             slots=torch.tensor(slots, dtype=torch.long, device=self.device),
             seq_lens=seq_lens,
+            prompt_lens=prompt_lens,
             start_positions=starts,
             context_blocks=ctx_blocks,
             logits_index=(
@@ -139,12 +151,34 @@ class ModelRunner:
         """
         if not seqs:
             raise ValueError("decode of an empty batch")
+        redo = self.model.cfg.rope_recompute_position
+        if redo is not None and any(s.position == redo for s in seqs):
+            return self._decode_recomputing(seqs, redo)
         logits, order = self._decode_sorted(seqs)  # [B, vocab], sorted rows
         inverse = torch.empty(len(order), dtype=torch.long, device=logits.device)
         inverse[torch.tensor(order, dtype=torch.long, device=logits.device)] = torch.arange(
             len(order), device=logits.device
         )
         return logits[inverse]
+
+    def _decode_recomputing(self, seqs: Sequence[DecodeSeq], redo: int) -> torch.Tensor:
+        """A step in which the rows at position ``redo`` run as a prefill of their whole sequence
+        (every position's KV rewritten, with the table of ``redo + 1`` tokens), the others decode."""
+        whole = [i for i, s in enumerate(seqs) if s.position == redo]
+        rest = [i for i, s in enumerate(seqs) if s.position != redo]
+        chunks = []
+        for i in whole:
+            s = seqs[i]
+            if s.history is None or len(s.history) != s.position:
+                got = None if s.history is None else len(s.history)
+                raise ValueError(f"a decode step at position {redo} recomputes its sequence: it needs the "
+                                 f"{redo} tokens before it as history, got {got}")
+            chunks.append(PrefillChunk([*s.history, s.token_id], 0, s.block_table))
+        out = torch.empty(len(seqs), self.model.cfg.vocab_size, device=self.device)  # [B, vocab]
+        out[whole] = self.prefill(chunks)
+        if rest:
+            out[rest] = self.decode([seqs[i] for i in rest])
+        return out
 
     @torch.inference_mode()  # the step's tensors match the model's (guards of `engine.compiled_attention`)
     def _decode_sorted(self, seqs: Sequence[DecodeSeq]) -> tuple[torch.Tensor, list[int]]:

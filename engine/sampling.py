@@ -8,7 +8,8 @@ The pipeline, over the step's rows (vLLM's order; a stage runs only when some ro
 plain requests pay for none of them):
 
 1. ``logit_bias`` added; the stop ids (EOS unless ``ignore_eos``, and ``stop_token_ids``) masked
-   while the output is shorter than ``min_tokens``;
+   while the output is shorter than ``min_tokens``; then the grammar's mask (structured outputs,
+   `engine.grammar.mask_logits`: what the grammar does not allow next at -inf);
 2. repetition penalty (transformers' definition: over prompt and output tokens, a positive logit
    divided by it, a negative one multiplied), then frequency and presence penalties (OpenAI's:
    ``logit - count * frequency - (count > 0) * presence`` over the output tokens), as a gather and
@@ -23,7 +24,8 @@ Invariants: a request with a ``seed`` draws token ``t`` from the number of a gen
 ``(seed, t)``, and a row's cut and draw read nothing of the other rows, so its text depends only on
 the seed, not on the batch it ran in nor on which process sampled which token (token 0 on a prefill
 replica, the rest on a decode replica gives the same text as colocated); a decode replica rebuilds
-a state from the prompt and the tokens so far.
+a state from the prompt and the tokens so far (a grammar's matcher too, by replaying them). Greedy
+rows take the argmax of the masked logits.
 The log-probabilities returned (the chosen token's and the ``top_logprobs`` most likely) are of the
 *unmodified* distribution (no bias, penalty, temperature or truncation), as OpenAI's API reports them.
 """
@@ -37,6 +39,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine.grammar import GrammarError, GrammarMatcher, GrammarSpec, GrammarVocab, compile_grammar, mask_logits
 from engine.sampling_draw import argmax, draw, host, truncate
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, log-prob), the most likely first
@@ -62,6 +65,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in -100..100)
     min_tokens: int = 0
+    grammar: GrammarSpec | None = None  # structured outputs: the output must match it
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -103,7 +107,8 @@ class SamplingParams:
 class SamplingDefaults:
     """A model's own sampling settings (its ``generation_config.json``), for requests that set none.
 
-    None: the model says nothing, and the API's default applies.
+    None: the model says nothing, and the API's default applies. ``max_tokens`` is the file's
+    ``max_new_tokens`` (transformers' name for it), as vLLM takes it.
     """
 
     temperature: float | None = None
@@ -111,8 +116,11 @@ class SamplingDefaults:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_tokens}")
         SamplingParams(temperature=0.0 if self.temperature is None else self.temperature,  # raises if out of range
                        top_p=1.0 if self.top_p is None else self.top_p, top_k=0 if self.top_k is None else self.top_k,
                        min_p=0.0 if self.min_p is None else self.min_p,
@@ -167,13 +175,23 @@ class SamplerState:
     output_ids: list[int] = field(default_factory=list)
     min_tokens_mask_ids: tuple[int, ...] = ()  # masked while len(output_ids) < min_tokens
     _book: PenaltyBook | None = None
+    grammar: GrammarMatcher | None = None  # with ``params.grammar``: where the output stands in it
 
     @classmethod
     def new(cls, params: SamplingParams, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = (),
-            eos_ids: Sequence[int] = ()) -> SamplerState:
-        """``output_ids``: tokens already sampled elsewhere (token 0 on a prefill replica)."""
+            eos_ids: Sequence[int] = (), vocab: GrammarVocab | None = None) -> SamplerState:
+        """``output_ids``: tokens already sampled elsewhere (token 0 on a prefill replica).
+        ``vocab``: the model's grammar vocabulary, needed when ``params.grammar`` is set; raises
+        `GrammarError` when the grammar does not compile or rejects ``output_ids``."""
         stops = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(eos_ids))
-        return cls(params, prompt_ids, list(output_ids), tuple(dict.fromkeys(stops)))
+        matcher = None
+        if params.grammar is not None:
+            if vocab is None:
+                raise GrammarError("a request with a grammar needs the model's grammar vocabulary")
+            matcher = GrammarMatcher(compile_grammar(vocab, params.grammar), list(output_ids))
+            if matcher.error is not None:
+                raise GrammarError(matcher.error)
+        return cls(params, prompt_ids, list(output_ids), tuple(dict.fromkeys(stops)), grammar=matcher)
 
     @property
     def step(self) -> int:
@@ -205,6 +223,8 @@ class SamplerState:
         self.output_ids.append(token_id)
         if self._book is not None:
             self._book.add(token_id, 1.0)
+        if self.grammar is not None:
+            self.grammar.advance(token_id)
 
 
 def bias_and_min_tokens(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
@@ -289,6 +309,8 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> Sampled:
     x = raw
     if any(p.logit_bias or st.step < p.min_tokens for p, st in zip(params, states, strict=True)):
         x = bias_and_min_tokens(x, states)
+    if any(st.grammar is not None for st in states):
+        x = mask_logits(x, [st.grammar for st in states])
     if any(p.repetition_penalty != 1.0 or p.counts_output for p in params):
         x = penalties(x, states)
     hot = [i for i, p in enumerate(params) if not p.greedy]

@@ -31,15 +31,25 @@ generator, seeded from ``(seed, t)``) draws the same token in any batch and any 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from engine.sampling import SamplingParams
-
 HEAD = 2048  # the largest values a row's cut is looked for among before its whole row is sorted
+
+
+class Truncation(Protocol):
+    """What a row's cut reads of its request (`engine.sampling.SamplingParams` has these)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def min_p(self) -> float: ...
 
 
 def host(x: torch.Tensor) -> np.ndarray:
@@ -54,7 +64,7 @@ def argmax(x: torch.Tensor) -> np.ndarray:
     return x.argmax(-1).cpu().numpy()
 
 
-def truncate(a: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
+def truncate(a: np.ndarray, params: Sequence[Truncation]) -> np.ndarray:
     """a: [b, V] fp32 logits of sampled rows (temperature > 0) → [b] cuts, fp32 values held as
     float64: row ``i`` keeps the tokens ``j`` with ``a[i, j] >= cut[i]`` (``-inf``: every token)."""
     b, V = a.shape

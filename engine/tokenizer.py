@@ -13,7 +13,10 @@ Invariants:
   never a second BOS when the text already starts with the BOS token; `encode_chat` adds nothing:
   the chat template decides.
 - A message's ``content`` may be a string or a list of ``{"type": "text", "text": ...}`` parts; parts
-  are joined (no separator) before rendering, so templates only ever see strings.
+  are joined (no separator) before rendering, so templates only ever see strings. Its other keys
+  (``name``, ``tool_calls``, ``tool_call_id``) reach the template as given, and ``tools`` (JSON
+  schemas, ``{"type": "function", "function": {...}}``) as the ``tools`` variable, as transformers
+  passes them; `renders_tools` says whether the template reads that variable at all.
 - `eos_token_ids` is the tokenizer's eos token, then `GenerationConfig`'s ids (``config.json``'s and
   ``generation_config.json``'s ``eos_token_id``); never empty for a folder that names one, no duplicates.
 """
@@ -29,6 +32,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -49,13 +53,22 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
+
+
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a chat template reads from its context (``messages``, ``tools``, ...)."""
+    return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(source)))
 
 
 def _token_content(value: Any) -> str | None:
@@ -157,8 +170,14 @@ class Tokenizer:
                              f"has no 'chat_template'); use a plain completion prompt instead")
         return _compile_template(self.chat_template)
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages``, rendered as ``transformers`` renders it."""
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads ``tools`` (can tell the model which functions it may call)."""
+        return self.chat_template is not None and "tools" in template_variables(self.chat_template)
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text for ``messages`` (and ``tools``), rendered as ``transformers`` renders it."""
         plain = []
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping):
@@ -166,11 +185,12 @@ class Tokenizer:
             plain.append({**message, "content": _text_content(message.get("content"), i)})
         specials = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
                     "unk_token": self.unk_token}
-        return self._template.render(messages=plain, tools=None, documents=None,
+        return self._template.render(messages=plain, tools=list(tools) if tools else None, documents=None,
                                      add_generation_prompt=add_generation_prompt,
                                      **{k: v for k, v in specials.items() if v is not None})
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered chat; special tokens in the text map to their ids, none are added."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False)

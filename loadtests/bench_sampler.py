@@ -7,9 +7,13 @@ that step's own logits for 8 rows under each case below, the step and the cases 
 round so load hits them alike; medians. Cases: greedy (the plain request), greedy with 5 top log-probs,
 seeded top-p sampling, seeded sampling over the whole vocabulary (temperature 1, OpenAI's defaults),
 unseeded top-k sampling, and every penalty at once (repetition, presence, frequency, a logit bias,
-min-p, min_tokens) over a 160-token prompt and 32 output tokens. Issue #27's target: the sampler (no
-grammar mask here: structured outputs are not built) at most 10% of the step, and plain requests
-paying nothing measurable for the pipeline's other stages. ``--model`` / ``--quick`` for a smoke run.
+min-p, min_tokens) over a 160-token prompt and 32 output tokens; then structured outputs under a
+JSON schema (strings, an integer, an array), each row at a different point of one answer (in a key,
+a string, a number, the array): the grammar's mask stage alone (`engine.grammar.mask_logits`, the
+matchers held where they are) and a whole greedy `sample` under it (the matchers rebuilt, untimed,
+before each call). Issue #27's target: the sampler and the grammar mask at most 10% of the step, and
+plain requests paying nothing measurable for the pipeline's other stages. ``--model`` (a folder with
+a ``tokenizer.json``) / ``--quick`` for a smoke run.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +32,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.grammar import GrammarMatcher, GrammarSpec, compile_grammar, grammar_vocab, mask_logits
 from engine.sampling import SamplerState, SamplingParams, sample
+from engine.tokenizer import Tokenizer
 from loadtests import bench_engine as be
 from loadtests.bench_common import MODEL, RESULTS, log, result_doc, write_result
 from loadtests.schemas import SAMPLER_SCHEMA
@@ -51,6 +58,41 @@ def cases(vocab: int) -> dict[str, SamplingParams]:
     }
 
 
+GRAMMAR_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"type": "string"}}, "city": {"type": "string"}},
+    "required": ["name", "age", "tags", "city"],
+    "additionalProperties": False,
+}
+GRAMMAR_ANSWER = '{"name": "Ann Smith", "age": 30, "tags": ["red", "blue"], "city": "Paris"}'
+Timed = tuple[Callable[[], None], Callable[[], object]]  # (untimed set-up, timed call)
+
+
+def _nothing() -> None:
+    pass
+
+
+def grammar_calls(logits: torch.Tensor, folder: Path) -> dict[str, Timed]:
+    """The structured-output cases over ``logits`` [B, V]: row i has generated the first i/B of
+    `GRAMMAR_ANSWER`'s tokens."""
+    tok = Tokenizer.from_dir(folder)
+    vocab = grammar_vocab(folder, tok.eos_token_ids)
+    spec = GrammarSpec("json_schema", json.dumps(GRAMMAR_SCHEMA))
+    compiled = compile_grammar(vocab, spec)
+    answer = tok.encode(GRAMMAR_ANSWER)
+    prefixes = [answer[: i * (len(answer) - 1) // BATCH] for i in range(BATCH)]
+    held: list[GrammarMatcher | None] = [GrammarMatcher(compiled, p) for p in prefixes]
+    params = SamplingParams(temperature=0.0, max_tokens=64, grammar=spec)
+    fresh: list[list[SamplerState]] = [[]]
+
+    def rebuild() -> None:
+        fresh[0] = [SamplerState.new(params, (), p, tok.eos_token_ids, vocab) for p in prefixes]
+
+    return {"json_schema_mask": (_nothing, lambda: mask_logits(logits, held)),
+            "json_schema_greedy": (rebuild, lambda: _call(logits, fresh[0]))}
+
+
 def _states(params: SamplingParams, vocab: int) -> list[SamplerState]:
     g = torch.Generator().manual_seed(7)
     out = []
@@ -70,19 +112,23 @@ STEP = "decode_step"  # the key of the decode step's own time among time_cases' 
 
 
 def time_cases(logits: torch.Tensor, named: dict[str, SamplingParams], repeats: int,
-               step: Callable[[], object] | None = None) -> dict[str, float]:
-    """Median milliseconds of one `sample` call over ``logits`` [B, V] per case, interleaved; with a
-    ``step``, also that step's median (key `STEP`), timed in the same rounds so load hits it alike."""
+               step: Callable[[], object] | None = None, extra: dict[str, Timed] | None = None) -> dict[str, float]:
+    """Median milliseconds of one `sample` call over ``logits`` [B, V] per case, and of each of
+    ``extra``'s calls (after its untimed set-up), interleaved; with a ``step``, also that step's
+    median (key `STEP`), timed in the same rounds so load hits it alike."""
     vocab = logits.shape[1]
-    fns: dict[str, Callable[[], object]] = {} if step is None else {STEP: step}
+    fns: dict[str, Timed] = {} if step is None else {STEP: (_nothing, step)}
     for name, params in named.items():
         states = _states(params, vocab)
-        fns[name] = functools.partial(_call, logits, states)
+        fns[name] = (_nothing, functools.partial(_call, logits, states))
+    fns.update(extra or {})
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
+    for setup, fn in fns.values():
+        setup()
         fn()  # warm-up (builds the penalty books)
     for _ in range(repeats):
-        for name, fn in fns.items():
+        for name, (setup, fn) in fns.items():
+            setup()
             t0 = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - t0) * 1e3)
@@ -126,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
         logits = eng.runner.decode(seqs).float()  # [BATCH, V]: the step's own output, not random numbers
         log(f"decode step (batch {BATCH}, context {CONTEXT}, {eng.config.dtype}, 1 thread) and the sampler "
             f"cases on its logits [{BATCH}, {logits.shape[1]}], interleaved")
-        ms = time_cases(logits, cases(logits.shape[1]), repeats, step=lambda: eng.runner.decode(seqs))
+        ms = time_cases(logits, cases(logits.shape[1]), repeats, step=lambda: eng.runner.decode(seqs),
+                        extra=grammar_calls(logits, eng.model_dir))
     finally:
         be._free(eng, seqs)
     step_ms = ms.pop(STEP)
@@ -136,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "targets": [
             {"name": f"{n}_of_step", "value": round(ms[n] / step_ms, 4), "threshold": TARGET_FRACTION,
              "met": ms[n] / step_ms <= TARGET_FRACTION}
-            for n in ("all_penalties", "seeded_top_p", "seeded_temperature")
+            for n in ("all_penalties", "seeded_top_p", "seeded_temperature", "json_schema_greedy")
         ],
     }
     setup = {"description": __doc__.split("\n\n")[1].replace("\n", " "), "model": args.model,

@@ -62,7 +62,7 @@ class PrefillResult:
     token_id: int
     logprob: float | None
     handle: KVHandle | None
-    finished: bool = False  # token 0 ended the request, every choice (EOS, stop id, max_tokens == 1)
+    finished: bool = False  # token 0 ended the request, every choice (EOS, stop id, max_tokens == 1, grammar complete)
     finish_reason: str | None = None  # "stop" | "length" when token 0 ends choice 0 (finished or not)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     timings: PrefillTimings = field(default_factory=PrefillTimings)

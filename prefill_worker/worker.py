@@ -5,8 +5,9 @@ Life cycle of a request (each name is a queue or a state in this file):
 1. ``prefill(req)`` checks the length and the queue bound, then appends a `_Job` to ``waiting``.
 2. The step loop admits jobs from ``waiting`` in FIFO order, while the admitted ones cannot fill
    the step's budget. On admission a job matches its prompt against the prefix cache
-   (``pool.match_prefix``; not a job that asks for prompt log-probs, which needs every position's
-   logits) and reserves blocks for the rest of the prompt; a job that does not fit
+   (``pool.match_prefix``, salted by the prompt's RoPE table: `Engine.prefix_salt`; not a job that
+   asks for prompt log-probs, which needs every position's logits) and reserves blocks for the rest
+   of the prompt; a job that does not fit
    waits at the head (blocks come back as the outbox drains) — FIFO, so a long prompt is never
    overtaken forever.
 3. Each step packs chunks of the admitted jobs into one forward under ``max_batch_tokens``
@@ -18,7 +19,10 @@ Life cycle of a request (each name is a queue or a state in this file):
    the same logits with its choice's seed, `engine.choices`), registers its full blocks in the
    prefix cache, and its blocks move to the **outbox** under a lease; the caller gets a
    `PrefillResult` with a `KVHandle`. If token 0 already ends the request (EOS, a stop id,
-   ``max_tokens == 1``; for every choice) the blocks are freed at once and the result has no handle.
+   ``max_tokens == 1``, a complete grammar; for every choice) the blocks are freed at once and the
+   result has no handle. Token 0 is sampled under the request's grammar (compiled, off the event
+   loop, before the job is queued); a token the grammar rejects fails the request rather than leave
+   this worker.
 5. The decode side pulls the blocks and sends DONE (or RELEASE); the outbox frees them then, or
    when the lease expires.
 
@@ -43,6 +47,7 @@ import torch
 from engine.choices import choice_params
 from engine.engine import Engine
 from engine.errors import QueueFullError
+from engine.grammar import GrammarError, GrammarVocab, load_grammar
 from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens, wants_more
 from engine.prompt_logprobs import PromptLogprobs, check_prompt_logprobs, chunk_ask
@@ -63,6 +68,8 @@ class _Job:
     req: PrefillRequest
     future: asyncio.Future[PrefillResult]
     enqueued: float
+    sampler: SamplerState  # choice 0's (the others' are built for token 0 from the same vocabulary)
+    vocab: GrammarVocab | None = None  # the grammar's, when the request has one
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0
     computed: int = 0  # prompt tokens whose KV is written (cached prefix included)
@@ -122,7 +129,10 @@ class PrefillWorker:
             )
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFullError(f"prefill queue is full ({self.config.max_queue} waiting)", 1.0)
-        job = _Job(req=req, future=asyncio.get_running_loop().create_future(), enqueued=time.monotonic())
+        vocab = await load_grammar(req.sampling.grammar, self.engine.model_dir, self.eos_ids)
+        sampler = SamplerState.new(req.sampling, req.prompt_token_ids, eos_ids=self.eos_ids, vocab=vocab)
+        job = _Job(req=req, future=asyncio.get_running_loop().create_future(), enqueued=time.monotonic(),
+                   sampler=sampler, vocab=vocab)
         self.waiting.append(job)
         self._loop.wake()
         try:
@@ -185,7 +195,7 @@ class PrefillWorker:
                 break
             if not job.blocks:
                 reuse = self.engine.config.enable_prefix_cache and job.req.prompt_logprobs is None
-                hit = pool.match_prefix(job.prompt[:-1]) if reuse else []
+                hit = pool.match_prefix(job.prompt[:-1], self.engine.prefix_salt(len(job.prompt))) if reuse else []
                 need = self.engine.blocks_for(len(job.prompt)) - len(hit)
                 if not pool.can_allocate(need):
                     pool.free(hit)
@@ -199,29 +209,39 @@ class PrefillWorker:
         for job, n in zip(admitted, grant_tokens([j.remaining for j in admitted], budget, cap), strict=True):
             if n == 0:
                 continue
-            chunks.append(PrefillChunk(job.prompt[job.computed : job.computed + n], job.computed, job.blocks))
+            chunks.append(PrefillChunk(job.prompt[job.computed : job.computed + n], job.computed, job.blocks,
+                                       prompt_len=len(job.prompt)))
             jobs.append(job)
             job.num_chunks += 1
         return chunks, jobs
 
-    def _first_tokens(self, req: PrefillRequest, logits_row: torch.Tensor) -> list[FirstToken]:
-        """Token 0 of each choice, sampled from the prompt's last logits ([1, V]) with its own seed."""
-        states = [SamplerState.new(choice_params(req.sampling, i), req.prompt_token_ids, eos_ids=self.eos_ids)
-                  for i in range(req.n)]
+    def _first_tokens(self, job: _Job, logits_row: torch.Tensor) -> list[FirstToken]:
+        """Token 0 of each choice, sampled from the prompt's last logits ([1, V]), each with its own
+        state (seed, grammar matcher); raises `GrammarError` if a grammar rejected one."""
+        req = job.req
+        states = [job.sampler, *(SamplerState.new(choice_params(req.sampling, i), req.prompt_token_ids,
+                                                  eos_ids=self.eos_ids, vocab=job.vocab) for i in range(1, req.n))]
         out = sample(logits_row.expand(req.n, -1).contiguous(), states)
         firsts = []
-        for token, logprob, top in zip(*out, strict=True):
-            stop = req.sampling.is_stop(token, self.eos_ids)
+        for st, token, logprob, top in zip(states, *out, strict=True):
+            grammar = st.grammar
+            if grammar is not None and grammar.error is not None:
+                raise GrammarError(grammar.error)
+            stop = req.sampling.is_stop(token, self.eos_ids) or (grammar is not None and grammar.done)
             reason = "stop" if stop else ("length" if req.sampling.max_tokens == 1 else None)
             firsts.append(FirstToken(token, logprob, top, reason))
         return firsts
 
     def _finish(self, job: _Job, logits_row: torch.Tensor) -> None:
         req = job.req
-        first, *more = self._first_tokens(req, logits_row)
+        try:
+            first, *more = self._first_tokens(job, logits_row)
+        except GrammarError as e:  # never hand on a token the grammar rejected
+            self._fail(job, e)
+            return
         token, logprob, top = first.token_id, first.logprob, first.top_logprobs
         pool = self.engine.pool
-        pool.commit_full_blocks(job.blocks, job.prompt)
+        pool.commit_full_blocks(job.blocks, job.prompt, self.engine.prefix_salt(len(job.prompt)))
         timings = PrefillTimings(
             queue_s=(job.started or job.enqueued) - job.enqueued,
             prefill_s=time.monotonic() - (job.started or job.enqueued),

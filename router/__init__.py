@@ -6,6 +6,7 @@ Modules (request order):
   config         RouterConfig (one frozen object per router replica)
   codec          the tokenizer the router uses: chat template, encode, incremental detokenizer
   prompt         request → prompt token ids + SamplingParams, with the context bound
+  response_format structured outputs: response_format → GrammarSpec, compiled before any prefill
   backends       the prefill/decode handle calls: timeouts, one retry, cancellation
   generation     one request's stream: prefill → token 0 → decode events → Deltas (stops, EOS, metrics)
   stops          stop strings with hold-back

@@ -28,6 +28,7 @@ mid-stream cancels the decode stream (the generator is closed, which cancels the
 # keeps only the globals a function's code uses, and FastAPI resolves string annotations (``Request``)
 # from those globals, so postponed annotations would turn ``request: Request`` into a query parameter.
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -40,6 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 
+from engine.grammar import GrammarSpec
 from router.admission import Admission
 from router.backends import Backends
 from router.codec import TextCodec, load_codec
@@ -69,6 +71,7 @@ from router.protocol import (
     ModelCard,
     ModelList,
 )
+from router.response_format import check_grammar
 from router.tokenize import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -76,6 +79,8 @@ from router.tokenize import (
     detokenize,
     tokenize,
 )
+from router.tool_stream import ToolCallStream
+from router.tools import plan_tools, tool_grammar
 
 logger = logging.getLogger("pdserve.router")
 
@@ -193,21 +198,31 @@ class Router:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-        prompt = chat_prompt(req, self._codec)
+        tools = plan_tools(req, self._codec)
+        if tools.keep_special_tokens:  # the tool-call markers are special tokens: the parser must see them
+            req = req.model_copy(update={"skip_special_tokens": False})
+        grammar = await tool_grammar(tools, req, self._codec)
+        prompt = chat_prompt(req, self._codec, tools.template_tools)
         fmt: Formatter = ChatFormatter(model=req.model, codec=self._codec, prompt_tokens=len(prompt),
                                        logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
                                        include_usage=req.include_usage,
-                                       prompt_ids=prompt if req.prompt_logprobs is not None else (), n=req.n)
-        return await self._run(req.stream, prompt, req, fmt, req.prompt_logprobs)
+                                       prompt_ids=prompt if req.prompt_logprobs is not None else (),
+                                       tools=ToolCallStream(tools) if tools.reads_calls else None, n=req.n)
+        return await self._run(req.stream, prompt, req, fmt, req.prompt_logprobs, grammar)
 
     async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
-                   prompt_logprobs: int | None) -> Response:
+                   prompt_logprobs: int | None, grammar: GrammarSpec | None = None) -> Response:
+        """``grammar``: a forced tool call's (already checked), in place of ``response_format``'s."""
         arrival_mono = time.perf_counter()
         if req.n > self._config.max_choices:  # a decode replica runs every choice of a request at once
             raise bad_request(f"n: at most {self._config.max_choices} choices per request are served", param="n")
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
                                 self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size, fmt.top_logprobs,
                                 self._codec.sampling_defaults)
+        if grammar is not None:
+            sampling = dataclasses.replace(sampling, grammar=grammar)
+        else:
+            await check_grammar(sampling.grammar, self._codec)
         inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
                               stop_strings=req.stop_strings, include_stop_str=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,

@@ -21,9 +21,10 @@ class RouterConfig:
     mode: str = "disaggregated"  # "disaggregated": prefill then decode; "colocated": decode only
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     public_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")  # reachable without a key
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's `ModelConfig.max_context`
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
-    default_max_tokens: int | None = None  # cap when a request sets none (None: the rest of the context)
+    # cap when a request sets none (None: the model's max_new_tokens, else the rest of the context)
+    default_max_tokens: int | None = None
     prefill_timeout_s: float = 120.0  # one prefill call (queueing included); then 503
     token_timeout_s: float = 60.0  # longest wait for the next decode event; then an error event
     ready_timeout_s: float = 5.0  # each pool's ready() call behind /ready

@@ -13,8 +13,9 @@ behind it. A field is one of
   log, as vLLM does.
 
 Invariants: no name is in two tables, none of `IGNORED` is a field of the request models, and a
-`REFUSED` name is a field of at most one of them (``echo``: completions); tests check these, and
-that every field of the official client's request types is here.
+`REFUSED` name is a field of at most one of them (``echo``: completions; ``tools``, ``tool_choice``,
+``parallel_tool_calls``: chat); tests check these, and that every field of the official client's
+request types is here.
 
 Served fields (both endpoints unless marked):
 
@@ -34,6 +35,8 @@ Served fields (both endpoints unless marked):
 | top_k, min_p, repetition_penalty, min_tokens | vLLM's extensions, as vLLM defines them |
 | ignore_eos, stop_token_ids | vLLM's extensions, as vLLM defines them |
 | skip_special_tokens, include_stop_str_in_output | vLLM's extensions, as vLLM defines them |
+| response_format | text, json_object, json_schema (always enforced) by llguidance; uncompilable: 400 |
+| tools, tool_choice, parallel_tool_calls (chat) | function tools; none, auto, required, named: `router.tools` |
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class Refused:
         return value is None or any(type(value) is type(d) and value == d for d in self.defaults)
 
 
+_GUIDED = Refused("only response_format's json_object and json_schema constrain the output")
+
 # Refused unless at their default: each would change the output in a way we do not build (yet).
 REFUSED: dict[str, Refused] = {
     # OpenAI, completions
@@ -65,11 +70,9 @@ REFUSED: dict[str, Refused] = {
     "echo": Refused("echo is served on /v1/completions only", (False,)),
     "suffix": Refused("the model has no insert (suffix) mode", ("",)),
     # OpenAI, chat
-    "response_format": Refused("structured outputs (json_object, json_schema) are not supported",
-                               ({"type": "text"},)),
-    "tools": Refused("tool calling is not supported", ([],)),
-    "tool_choice": Refused("tool calling is not supported; only 'none' (or 'auto' without tools)",
-                           ("none", "auto")),
+    "tools": Refused("tools are served on /v1/chat/completions only", ([],)),
+    "tool_choice": Refused("tool_choice is served on /v1/chat/completions only", ("none", "auto")),
+    "parallel_tool_calls": Refused("parallel_tool_calls is served on /v1/chat/completions only", (True,)),
     "functions": Refused("function calling is not supported", ([],)),
     "function_call": Refused("function calling is not supported", ("none", "auto")),
     "audio": Refused("audio output is not supported", ()),
@@ -83,11 +86,11 @@ REFUSED: dict[str, Refused] = {
     "length_penalty": Refused("length_penalty needs beam search, which is not supported", (1.0, 1)),
     "allowed_token_ids": Refused("allowed_token_ids is not supported", ([],)),
     "bad_words": Refused("bad_words is not supported", ([],)),
-    "guided_json": Refused("structured outputs are not supported", ()),
-    "guided_regex": Refused("structured outputs are not supported", ()),
-    "guided_choice": Refused("structured outputs are not supported", ()),
-    "guided_grammar": Refused("structured outputs are not supported", ()),
-    "structured_outputs": Refused("structured outputs are not supported", ()),
+    "guided_json": _GUIDED,
+    "guided_regex": _GUIDED,
+    "guided_choice": _GUIDED,
+    "guided_grammar": _GUIDED,
+    "structured_outputs": _GUIDED,
     "logits_processors": Refused("custom logits processors are not supported", ([],)),
     "truncate_prompt_tokens": Refused("prompt truncation is not supported", ()),
     "spaces_between_special_tokens": Refused("special tokens are always decoded without added spaces",
@@ -113,7 +116,6 @@ IGNORED: dict[str, str] = {
     "prompt_cache_retention": "how long a cached prompt is kept",
     "prompt_cache_options": "prompt-cache settings",
     "prediction": "a Predicted Output: speeds the response up, does not change it",
-    "parallel_tool_calls": "has no effect without tools (which are refused)",
     # vLLM's scheduling / plumbing extras
     "priority": "vLLM's scheduling priority",
     "request_id": "vLLM's request id; ours are generated",

@@ -13,11 +13,15 @@ and, when asked, the most likely alternatives (chat: ``top_logprobs`` objects; c
 ``{token: logprob}`` dict per token, the chosen one included); completions' ``echo`` puts the
 prompt's text (with ``logprobs``: its tokens) first in each choice's first chunk, and a request
 that asks for prompt log-probs gets vLLM's ``prompt_logprobs`` in its response (each choice of a
-completion, the response of a chat; `router.prompt_logprobs`).
+completion, the response of a chat; `router.prompt_logprobs`). A chat answer read for tool calls
+(a `ToolCallStream`, one per choice) sends the content and ``tool_calls`` deltas the stream
+releases, and its finish reason (``tool_calls`` where calls were made); its log-probs stay those
+of every generated token.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +52,8 @@ from router.protocol import (
     new_id,
     now,
 )
+from router.tool_protocol import DeltaToolCall
+from router.tool_stream import ToolCallStream
 
 DONE = "data: [DONE]\n\n"
 
@@ -68,6 +74,8 @@ class ChoiceText:
     finish_reason: str | None = None
     offset: int = 0  # completions: text offset of the next chunk's first token
     started: bool = False  # its first chunk went out (chat: the role; completions: the echo)
+    tools: ToolCallStream | None = None  # chat, read for tool calls: this choice's stream
+    released: tuple[str, list[DeltaToolCall]] = ("", [])  # what its last delta released, read for calls
 
 
 @dataclass
@@ -187,9 +195,21 @@ class CompletionFormatter(Formatter):
                                   usage=self.usage)
 
 
+@dataclass
 class ChatFormatter(Formatter):
+    tools: ToolCallStream | None = None  # the answer's text read for tool calls (`router.tool_stream`):
+    # a fresh stream, copied for each choice
+
     def __post_init__(self) -> None:
         self.id = self.id or new_id("chatcmpl")
+
+    def add(self, delta: Delta) -> ChoiceText:
+        c = super().add(delta)
+        if self.tools is not None:
+            if c.tools is None:
+                c.tools = copy.deepcopy(self.tools)  # a fresh stream for each choice
+            c.released = c.tools.push(delta.text, final=delta.finish_reason is not None)
+        return c
 
     def _logprobs(self, ids: Sequence[int], lps: Sequence[float | None],
                   tops: Sequence[TopLogprobs]) -> ChatLogprobs | None:
@@ -211,20 +231,31 @@ class ChatFormatter(Formatter):
         c = self.add(delta)
         first = not c.started
         c.started = True
-        choice = ChatStreamChoice(index=delta.index,
-                                  delta=ChatDelta(role="assistant" if first else None, content=delta.text),
+        text, calls = (delta.text, []) if c.tools is None else c.released
+        message = ChatDelta(role="assistant" if first else None, content=text if text or not calls else None,
+                            tool_calls=calls or None)
+        choice = ChatStreamChoice(index=delta.index, delta=message,
                                   logprobs=self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs),
-                                  finish_reason=delta.finish_reason)
+                                  finish_reason=self._finish_reason(c, delta.finish_reason))
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def usage_chunk(self) -> BaseModel:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                    usage=self.usage)
 
+    @staticmethod
+    def _finish_reason(c: ChoiceText, reason: str | None) -> str | None:
+        return reason if reason is None or c.tools is None else c.tools.finish_reason(reason)
+
     def response(self) -> BaseModel:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
-                              logprobs=self._logprobs(c.token_ids, c.token_logprobs, c.token_tops),
-                              finish_reason=c.finish_reason)
-                   for i, c in self.ordered()]
+        choices = []
+        for i, c in self.ordered():
+            if c.tools is None:
+                message = AssistantMessage(content="".join(c.text))
+            else:
+                message = AssistantMessage(content=c.tools.content, tool_calls=c.tools.calls or None)
+            choices.append(ChatChoice(index=i, message=message,
+                                      logprobs=self._logprobs(c.token_ids, c.token_logprobs, c.token_tops),
+                                      finish_reason=self._finish_reason(c, c.finish_reason)))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage, prompt_logprobs=self.vllm_prompt_logprobs())

@@ -2,25 +2,26 @@
 
 Owns: `completion_prompt`, `chat_prompt` (the chat template is applied here, in the router) and
 `sampling_for`, which enforces the context bound and fills the sampling settings a request left unset
-from the model's generation config.
+from the model's generation config, and the request's grammar (`router.response_format.grammar_for`).
 
 Invariants: a prompt is never empty and fits ``max_model_len`` with room for at least one token;
 ``prompt + max_tokens <= max_model_len`` when the client set ``max_tokens`` (otherwise the
-request gets the rest of the context, capped by the configured default); token ids sent by the
-client are inside the vocabulary. A text prompt gets what the tokenizer's post-processor adds (BOS
-for Llama-style tokenizers, never doubled), token ids are taken as given, and a chat gets only
-what its template writes. Violations are 400s with OpenAI's wording and codes.
+request gets the rest of the context, capped by the configured default, else by the model's
+``max_new_tokens``); token ids sent by the client are inside the vocabulary. A text prompt gets
+what the tokenizer's post-processor adds (BOS for Llama-style tokenizers, never doubled), token ids
+are taken as given, and a chat gets only what its template writes. Violations are 400s with OpenAI's wording and codes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from engine.sampling import SamplingDefaults, SamplingParams
 from router.codec import TextCodec
 from router.errors import bad_request, context_too_long
 from router.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from router.response_format import grammar_for
 
 
 def completion_prompt(req: CompletionRequest, codec: TextCodec) -> tuple[int, ...]:
@@ -46,9 +47,11 @@ def echo_text(req: CompletionRequest, prompt: tuple[int, ...], codec: TextCodec)
     return codec.decode(list(prompt))
 
 
-def chat_prompt(req: ChatCompletionRequest, codec: TextCodec) -> tuple[int, ...]:
+def chat_prompt(req: ChatCompletionRequest, codec: TextCodec,
+                tools: Sequence[Mapping[str, Any]] = ()) -> tuple[int, ...]:
+    """The chat's ids; ``tools`` (`router.tools.ToolPlan.template_tools`) reach the template's ``tools``."""
     try:
-        ids = codec.encode_chat([m.to_template() for m in req.messages])
+        ids = codec.encode_chat([m.to_template() for m in req.messages], tools=tools or None)
     except ValueError as e:  # no chat template, or a template's raise_exception (bad role order)
         raise bad_request(str(e), param="messages") from None
     if not ids:
@@ -75,7 +78,9 @@ def sampling_for(
 ) -> SamplingParams:
     """The request's sampling settings; EOS joins the stop ids unless ``ignore_eos`` (vLLM: the
     requested ``stop_token_ids`` stop the sequence either way); ``defaults`` (the model's generation
-    config) fill temperature / top_p / top_k / min_p / repetition_penalty the request left unset."""
+    config) fill temperature / top_p / top_k / min_p / repetition_penalty the request left unset.
+    ``max_tokens`` left unset: the configured ``default_max_tokens``, else the model's
+    ``max_new_tokens`` (as vLLM takes it), else the rest of the context; each at most that rest."""
     room = max_model_len - prompt_len
     if room < 1:
         raise context_too_long(
@@ -84,7 +89,8 @@ def sampling_for(
             f"the prompt.")
     requested = req.requested_max_tokens
     if requested is None:
-        max_tokens = room if default_max_tokens is None else min(room, default_max_tokens)
+        default = default_max_tokens if default_max_tokens is not None else defaults.max_tokens if defaults else None
+        max_tokens = room if default is None else min(room, default)
     elif requested > room:
         raise context_too_long(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -112,6 +118,7 @@ def sampling_for(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs if logprobs else 0,
+            grammar=grammar_for(req.response_format),
         )
     except ValueError as e:
         raise bad_request(str(e)) from None

@@ -2,16 +2,19 @@
 
 Owns: `CompletionRequest`, `ChatCompletionRequest` and the shapes we answer with, which follow
 OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` field for field so the official clients
-parse them.
+parse them. A chat's messages are `router.messages.ChatMessage`; the tool-calling shapes
+(tools, tool choice, calls and their deltas) come from `router.tool_protocol`.
 
 Invariants: the fields declared here are the ones we serve; `router.fields.account` has checked
 every other field of the body before these models see it (refused ones at a non-default value are a
 400, the rest are dropped), so ``extra="ignore"`` drops nothing unaccounted for. A request that
 passes validation has a ``max_tokens`` that is None or >= 1, at most 4 non-empty stop strings, a
 non-empty prompt, ``n`` in 1..16 (`engine.choices.MAX_CHOICES`), only text content, ``logit_bias``
-values in -100..100, ``min_tokens`` no larger than ``max_tokens`` and no ``prompt_logprobs`` on a
-stream (vLLM's rule); what needs the tokenizer or the served name (token ids inside the vocabulary,
-context length, model name) is checked by the app.
+values in -100..100, ``min_tokens`` no larger than ``max_tokens``, no ``prompt_logprobs`` on a
+stream (vLLM's rule), a ``response_format`` of a served type and shape and ``tool_calls`` only on
+assistant messages; what needs the tokenizer or the served name (token ids inside the vocabulary,
+context length, model name, whether llguidance compiles the schema, what the chat template renders)
+is checked by the app.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ from pydantic import (
 )
 
 from engine.choices import MAX_CHOICES
+from router.messages import ChatMessage
 from router.prompt_logprobs import PromptLogprobsList
+from router.response_format import ResponseFormat
+from router.tool_protocol import DeltaToolCall, NamedToolChoice, ToolCall, ToolDef
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "error"]
 
 
 def new_id(prefix: str) -> str:
@@ -69,6 +75,7 @@ class GenerationRequest(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None  # JSON keys are strings; pydantic reads them as ints
+    response_format: ResponseFormat | None = None  # structured outputs (vLLM takes it on completions too)
     # vLLM's extensions
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -175,70 +182,16 @@ class CompletionRequest(GenerationRequest):
         return v
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[Any] | None = None  # an assistant's earlier tool calls: refused (no tools)
-    function_call: Any | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_unserved_keys(cls, data: Any) -> Any:
-        """A message key we do not serve (``tool_call_id``, ``audio``, ``refusal``...) is refused when
-        it carries a value; empty ones (a client echoing a response's message back) are dropped."""
-        if isinstance(data, dict):
-            for key, value in data.items():
-                if key not in cls.model_fields and value not in (None, "", [], {}):
-                    raise ValueError(f"the message field {key!r} is not supported")
-        return data
-
-    @field_validator("tool_calls", "function_call")
-    @classmethod
-    def _no_calls(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("tool calling is not supported")
-        return v
-
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, v: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
-        if isinstance(v, list):
-            for part in v:
-                if part.type != "text" or part.text is None:
-                    raise ValueError(f"only text content parts are supported, got type {part.type!r}")
-        return v
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text or "" for p in self.content)
-
-    def to_template(self) -> dict[str, str]:
-        """The ``{"role", "content"}`` dict chat templates expect (developer reads as system), with the
-        participant's ``name`` when given (templates that know it render it, as in vLLM)."""
-        role = "system" if self.role == "developer" else self.role
-        out = {"role": role, "content": self.text()}
-        if self.name is not None:
-            out["name"] = self.name
-        return out
-
-
 class ChatCompletionRequest(GenerationRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # checked against each other and the model's template in router.tools
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -323,7 +276,15 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_any(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -353,6 +314,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from router.codec import TextCodec
 from router.errors import bad_request
 from router.protocol import ChatMessage
+from router.tools import check_history
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -66,6 +67,7 @@ class DetokenizeResponse(BaseModel):
 def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest, codec: TextCodec,
              max_model_len: int) -> TokenizeResponse:
     if isinstance(req, TokenizeChatRequest):
+        check_history(req.messages, codec)
         try:
             ids = codec.encode_chat([m.to_template() for m in req.messages], req.add_generation_prompt)
         except ValueError as e:  # the template refused the conversation

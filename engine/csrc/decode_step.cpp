@@ -9,10 +9,13 @@
 //
 // Layout (all row-major; X = the activation dtype, fp32 or bf16 as raw uint16 bits):
 //   h [B, hidden] X: the embedded tokens on entry, the last layer's output on return;
-//   logits [B, vocab] X; per layer k/v caches [num_blocks, BS, KV, D] X; cos / sin [P, D] fp32
-//   (rope_store.h); pos, slots [B] int64; table [B, NB] int64; lens [B] int64 (= pos + 1).
+//   logits [B, vocab] X; per layer k/v caches [num_blocks, BS, KV, D] X; cos / sin [P, R] fp32
+//   (rope_store.h); pos [B] int64: each token's table row; slots [B] int64; table [B, NB] int64;
+//   lens [B] int64 (= the token's position + 1).
 //   A `Lin` is one linear layer: W [n, k] fp32 / bf16 / int8 (kind 0 / 1 / 2), scale / bias [n]
 //   fp32 or null (small_linear.h); the weights of the norms are folded into qkv, gate_up, lm_head.
+//   Kind 3: int8 W with a scale per `group` inputs, scale [n, k / group], and the norm's gain [k]
+//   (or null) applied to the normed rows, as it cannot be folded into such a W (small_linear_group.h).
 // The caller checks every shape, dtype and index (the kernels trust them).
 #include <cstdint>
 #include <vector>
@@ -20,12 +23,15 @@
 #include "paged_decode.h"
 #include "rope_store.h"
 #include "small_linear.h"
+#include "small_linear_group.h"
 
 struct Lin {
   const void* w;
   const float* scale;
   const float* bias;
-  int64_t kind, n, k;  // kind: 0 fp32, 1 bf16, 2 int8
+  int64_t kind, n, k;  // kind: 0 fp32, 1 bf16, 2 int8, 3 int8 with group scales
+  int64_t group;       // kind 3: inputs per scale
+  const float* gain;   // kind 3: the RMSNorm gain [k] or null
 };
 
 struct StepLayer {
@@ -35,7 +41,7 @@ struct StepLayer {
 };
 
 struct StepArgs {
-  int64_t B, num_layers, H, KV, D, BS, NB, hidden, nthreads;
+  int64_t B, num_layers, H, KV, D, R, BS, NB, hidden, nthreads;
   float eps, scale;
   const StepLayer* layers;
   Lin lm_head;
@@ -56,7 +62,11 @@ static void linear(const Lin& l, const X* x, const X* residual, X* y, int64_t M,
   switch (l.kind) {
     case 0: small_linear(x, (const float*)l.w, l.scale, l.bias, residual, y, M, l.n, l.k, pre, eps, nt); break;
     case 1: small_linear(x, (const uint16_t*)l.w, l.scale, l.bias, residual, y, M, l.n, l.k, pre, eps, nt); break;
-    default: small_linear(x, (const int8_t*)l.w, l.scale, l.bias, residual, y, M, l.n, l.k, pre, eps, nt); break;
+    case 2: small_linear(x, (const int8_t*)l.w, l.scale, l.bias, residual, y, M, l.n, l.k, pre, eps, nt); break;
+    default:
+      small_linear_group(x, (const int8_t*)l.w, l.scale, l.group, pre == PRE_RMS ? l.gain : nullptr, l.bias, residual,
+                         y, M, l.n, l.k, pre, eps, nt);
+      break;
   }
 }
 
@@ -70,7 +80,7 @@ static void decode_step(const StepArgs& a) {
   for (int64_t l = 0; l < a.num_layers; ++l) {
     const StepLayer& L = a.layers[l];
     linear(L.qkv, h, (const X*)nullptr, qkv.data(), B, PRE_RMS, a.eps, nt);  // [B, width]
-    rope_store(qkv.data(), a.cos, a.sin, a.pos, a.slots, (X*)L.kc, (X*)L.vc, B, a.H, a.KV, a.D);
+    rope_store(qkv.data(), a.cos, a.sin, a.pos, a.slots, (X*)L.kc, (X*)L.vc, B, a.H, a.KV, a.D, a.R);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t i = 0; i < qw; ++i) q[b * qw + i] = load1(qkv.data() + b * width + i);
     attend(q.data(), (const X*)L.kc, (const X*)L.vc, a.table, a.lens, out.data(), B, a.H, a.KV, a.D, a.BS, a.NB,

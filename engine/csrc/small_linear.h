@@ -163,12 +163,11 @@ static void many_rows(const XRows& xr, const W* w, int64_t M, int64_t N, int64_t
   }
 }
 
-template <typename X, typename W>
-static void small_linear(const X* x, const W* w, const float* scale, const float* bias, const X* residual, X* y,
-                         int64_t M, int64_t N, int64_t K, int pre, float eps, int nthreads) {
-  std::vector<float> xs(M * K);  // pre(x) [M, K] fp32
+// pre(x) [M, K] fp32 into xs (see the top of this file for `pre`); small_linear_group.h's too.
+template <typename X>
+static void pre_rows(const X* x, float* xs, int64_t M, int64_t K, int pre, float eps) {
   for (int64_t m = 0; m < M; ++m) {
-    float* d = xs.data() + m * K;
+    float* d = xs + m * K;
     if (pre == 2) {
       const X* g = x + m * 2 * K;
       for (int64_t k = 0; k < K; ++k) {
@@ -186,24 +185,35 @@ static void small_linear(const X* x, const W* w, const float* scale, const float
       for (int64_t k = 0; k < K; ++k) d[k] *= inv;
     }
   }
+}
+
+// xs [M, K] as int16 q with one scale s per row (`XRows`): q = round(x / s), s = max |x| / 32767.
+static inline void quantize_i16(const float* xs, int64_t M, int64_t K, std::vector<int16_t>& xq,
+                                std::vector<float>& sx) {
+  xq.resize(M * K);
+  sx.resize(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* d = xs + m * K;
+    float mx = 0.f;
+    for (int64_t k = 0; k < K; ++k) mx = std::max(mx, std::fabs(d[k]));
+    sx[m] = mx > 0.f ? mx / 32767.f : 1.f;
+    const float inv = 1.f / sx[m];
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::nearbyint(d[k] * inv);
+      xq[m * K + k] = (int16_t)(v > 32767.f ? 32767.f : v < -32767.f ? -32767.f : v);
+    }
+  }
+}
+
+template <typename X, typename W>
+static void small_linear(const X* x, const W* w, const float* scale, const float* bias, const X* residual, X* y,
+                         int64_t M, int64_t N, int64_t K, int pre, float eps, int nthreads) {
+  std::vector<float> xs(M * K);  // pre(x) [M, K] fp32
+  pre_rows(x, xs.data(), M, K, pre, eps);
   std::vector<int16_t> xq;  // int8 weights on AVX2: pre(x) as int16 [M, K] and a scale per row (`XRows`)
   std::vector<float> sx;
 #if defined(__AVX2__)
-  if constexpr (std::is_same_v<W, int8_t>) {
-    xq.resize(M * K);
-    sx.resize(M);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* d = xs.data() + m * K;
-      float mx = 0.f;
-      for (int64_t k = 0; k < K; ++k) mx = std::max(mx, std::fabs(d[k]));
-      sx[m] = mx > 0.f ? mx / 32767.f : 1.f;
-      const float inv = 1.f / sx[m];
-      for (int64_t k = 0; k < K; ++k) {
-        const float v = std::nearbyint(d[k] * inv);
-        xq[m * K + k] = (int16_t)(v > 32767.f ? 32767.f : v < -32767.f ? -32767.f : v);
-      }
-    }
-  }
+  if constexpr (std::is_same_v<W, int8_t>) quantize_i16(xs.data(), M, K, xq, sx);
 #endif
   const XRows xr{xs.data(), xq.data(), sx.data()};
   auto emit = [&](const int64_t* cols, int rc, int64_t m0, int mc, const float out[8][4]) {

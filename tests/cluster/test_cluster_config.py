@@ -11,7 +11,8 @@ import torch
 from cluster.cli import main
 from cluster.config import ClusterConfig, ConfigError, Environment
 from cluster.serve_yaml import application_args
-from engine.config import EngineConfig, fast_dtype
+from engine.config import EngineConfig, ModelConfig, auto_dtype, checkpoint_dtype, fast_dtype
+from engine.engine import log_dtype
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,6 +53,46 @@ def test_dtype_auto_resolves_per_device(monkeypatch: pytest.MonkeyPatch) -> None
         EngineConfig(dtype="fp8")
     with pytest.raises(ValueError, match="fp8"):
         ClusterConfig.from_args({"engine": {"dtype": "fp8"}}, NO_ENV)
+
+
+def _cpu_bf16(monkeypatch: pytest.MonkeyPatch, fast: bool) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: fast)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+
+
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
+def test_dtype_auto_keeps_the_checkpoints_where_the_device_runs_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stored dtype is read from either key transformers writes (its own config agrees); a bf16
+    checkpoint stays bf16 where the CPU computes in it and runs in fp32 (said in the log) where it
+    does not; fp16 stays fp16 on CUDA; the cluster resolves ``auto`` with a local folder's dtype."""
+    from transformers import LlamaConfig
+
+    written = LlamaConfig(torch_dtype="float16").to_dict()
+    assert checkpoint_dtype(written) == torch.float16 == LlamaConfig.from_dict(written).dtype
+    for name, want in (("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32),
+                       ("int8", None)):
+        assert checkpoint_dtype({key: name}) == want
+    assert checkpoint_dtype({}) is None
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 2, key: "bfloat16"}
+    assert ModelConfig.from_hf_dict(cfg).checkpoint_dtype == torch.bfloat16
+    for fast, want in ((True, "bfloat16"), (False, "float32")):
+        _cpu_bf16(monkeypatch, fast)
+        assert auto_dtype("cpu", torch.bfloat16) == want
+        assert auto_dtype("cpu", torch.float16) == want  # no fp16 CPU kernels: bf16 where fast, else exact fp32
+        assert auto_dtype("cpu", torch.float32) == auto_dtype("cpu", None) == fast_dtype("cpu") == want
+        folder = tmp_path / f"model-{fast}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(cfg))
+        c = ClusterConfig.from_args({"model": str(folder)}, NO_ENV)
+        assert c.prefill_worker_config().engine.dtype == c.decode_worker_config().engine.dtype == want
+    assert auto_dtype("cuda:0", torch.float16) == "float16"
+    assert auto_dtype("cuda:0", torch.bfloat16) == auto_dtype("cuda", None) == "bfloat16"
+    with caplog.at_level("INFO", logger="engine.engine"):
+        log_dtype(torch.bfloat16, EngineConfig(dtype="float32"))
+    assert "stored in bfloat16, computed in float32: this CPU has no bf16 matmul" in caplog.text
 
 
 def test_colocated_yaml() -> None:

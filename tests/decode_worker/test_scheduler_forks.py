@@ -123,6 +123,22 @@ def test_swap_out_of_a_fork_drops_only_its_references() -> None:
     assert pool.num_free_blocks == 7 and not sched.has_work()
 
 
+def test_without_sharing_each_fork_copies_the_whole_prompt() -> None:
+    """``share_prompt`` off (a model whose decode step may rewrite a sequence's whole KV): a fork
+    reserves as many blocks as its head and gets a copy of every block with KV; none is shared."""
+    sched, pool = make(12, watermark_blocks=0, share_prompt=False)
+    head = sched.add("r", 6, 0.0, forks=forks(3))  # 2 blocks each: 6
+    sched.add("s", 3, 1.0)
+    out = sched.schedule()
+    assert [s.request_id for s in out.admitted] == ["r", "s"] and pool.num_free_blocks == 5
+    copies = sched.on_transfer_done("r")
+    assert sorted(src for src, _ in copies) == sorted(head.block_ids * 2)
+    assert all(ref == 1 for ref in owners(pool).values())
+    sched.check_integrity()
+    with pytest.raises(ContextLengthError):
+        sched.add("big", 16, 2.0, forks=forks(3, "big"))  # 5 blocks x 3 > 12
+
+
 def test_abort_while_waiting_or_transferring_takes_the_whole_group() -> None:
     sched, pool = make(20)
     sched.add("w", 3, 0.0, forks=forks(3, "w"))
@@ -148,7 +164,9 @@ def test_random_simulation_every_choice_reads_its_own_kv(seed: int) -> None:
     `on_transfer_done` returns are made at once; a choice's own tokens belong to its sequence."""
     rng = random.Random(seed)
     num_blocks, wm = rng.randint(10, 30), rng.randint(0, 2)
-    cfg = SchedulerConfig(max_num_seqs=rng.randint(4, 10), watermark_blocks=wm, max_swap_blocks=4096)
+    share = rng.random() < 0.75  # off: every fork copies the whole prompt
+    cfg = SchedulerConfig(max_num_seqs=rng.randint(4, 10), watermark_blocks=wm, max_swap_blocks=4096,
+                          share_prompt=share)
     pool = BlockPool(num_blocks, BS, enable_prefix_cache=False)
     sched = DecodeScheduler(cfg, pool)
     kv = FakeKV(num_blocks, BS)
@@ -172,7 +190,7 @@ def test_random_simulation_every_choice_reads_its_own_kv(seed: int) -> None:
             rid = arrivals.pop(0)[1]
             n = rng.randint(1, 4)
             group = [rid, *forks(n, rid)]
-            room = (num_blocks - wm) - n - 1
+            room = (num_blocks - wm) - n - 1 if share else (num_blocks - wm) // n  # blocks for the prompt
             prompt = rng.randint(1, max(1, min(room * BS - 1, 30)))
             sched.add(rid, prompt, float(it), forks=group[1:])
             for sid in group:

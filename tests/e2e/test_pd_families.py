@@ -1,6 +1,8 @@
 """The other model families served end to end in one process, disaggregated and colocated (chunked):
 greedy tokens equal transformers' `generate` on tiny random models whose sliding window is shorter
-than the prompts, so the window is applied in prefill, in chunks after a prefix, and in decode."""
+than the prompts, so the window is applied in prefill, in chunks after a prefix, and in decode; and
+whose length-dependent RoPE changes table within the prompts' range (longrope past 64 tokens: a
+prompt below it that crosses it while decoding, prompts above it prefilled in chunks)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ MODELS = {
     # local / global layers alternating; Gemma 2's attention and final soft-caps; Gemma 3's local RoPE base
     "gemma2-window": ("gemma2", {"sliding_window": 20}),
     "gemma3-window": ("gemma3", {"sliding_window": 24}),
+    # Phi-4-mini's shape: longrope over the first 3/4 of each head (12 of 16 dims: 6 factors each)
+    "phi4mini-longrope": ("phi3", {"partial_rotary_factor": 0.75, "max_position_embeddings": 256,
+                                   "original_max_position_embeddings": 64,
+                                   "rope_scaling": {"rope_type": "longrope",
+                                                    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                    "long_factor": [1.0, 2.0, 4.0, 6.0, 8.0, 10.0]}}),
 }
 PROMPTS = (30, 75, 140)  # tokens; each longer than the window, one beyond a 64-token chunk twice
 NEW = 48  # greedy positions compared per prompt

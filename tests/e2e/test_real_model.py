@@ -8,10 +8,12 @@ tokenizer for usage counts, the official `openai` client for the API.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 import ray
@@ -23,6 +25,7 @@ from engine.bundled import DEFAULT_MODEL, prepare_model
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import generate
+from engine.grammar import GrammarSpec
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 from loadtests.bench_common import free_port
@@ -285,6 +288,86 @@ def test_a_client_leaving_n_choices_frees_every_block(cluster: str, app: str) ->
         assert time.monotonic() < deadline, d
         time.sleep(0.2)
     assert d["steps"] - steps < 299  # aborted: the choices did not run to their end
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "London", "Berlin", "Rome"]},
+                   "population_millions": {"type": "integer", "minimum": 0, "maximum": 50},
+                   "capital": {"type": "boolean"}},
+    "required": ["city", "population_millions", "capital"],
+    "additionalProperties": False,
+}
+CITY = [{"role": "user", "content": "Give the capital of France as JSON with its population in millions."}]
+
+
+def test_structured_outputs_parse_and_validate_in_both_modes(cluster: str, oracle) -> None:
+    """json_schema greedy (the reference's text under the same grammar), seeded and streamed (the
+    same text in both modes: token 0 under the grammar on the prefill replica, the rest on the
+    decode replica), json_object on completions; a schema llguidance cannot compile is a 400."""
+    eng, tok = oracle
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}}
+    params = SamplingParams(max_tokens=60, grammar=GrammarSpec("json_schema", json.dumps(CITY_SCHEMA)))
+    want = tok.decode(generate(eng, tok.encode_chat(CITY), params, eos_token_ids=tok.eos_token_ids).token_ids)
+    seeded = []
+    for app in ("pd", "colo"):
+        c = client(cluster, app)
+        got = c.chat.completions.create(model=DEFAULT_MODEL, messages=CITY, max_tokens=60, temperature=0,
+                                        response_format=fmt).choices[0]
+        assert got.finish_reason == "stop" and got.message.content == want
+        jsonschema.validate(json.loads(want), CITY_SCHEMA)
+        chunks = list(c.chat.completions.create(model=DEFAULT_MODEL, messages=CITY, max_tokens=60, temperature=0.8,
+                                                seed=3, response_format=fmt, stream=True))
+        seeded.append("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices))
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(seeded[-1]), CITY_SCHEMA)
+        obj = c.completions.create(model=DEFAULT_MODEL, prompt="A JSON object describing a cat:", max_tokens=60,
+                                   temperature=0, extra_body={"response_format": {"type": "json_object"}})
+        assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].text), dict)
+        bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=DEFAULT_MODEL, messages=CITY, max_tokens=8, response_format=bad)  # type: ignore[arg-type]
+        assert e.value.body["param"] == "response_format"  # type: ignore[index]
+    assert seeded[0] == seeded[1]
+
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                  "required": ["city", "days"], "additionalProperties": False}
+TOOLS: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
+              {"type": "function", "function": {"name": "get_time", "parameters": {
+                  "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+FORECAST: Any = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days?"}]
+
+
+def test_tool_calls_on_a_template_without_tools_in_both_modes(cluster: str, oracle) -> None:
+    """SmolLM2's template cannot show the model its tools: ``auto`` is a 400 naming tools; a named
+    function is the grammar-constrained arguments (the reference's text under the parameters schema),
+    which parse and validate, streamed the same; ``required`` calls validate against their tool."""
+    eng, tok = oracle
+    params = SamplingParams(max_tokens=40, grammar=GrammarSpec("json_schema", json.dumps(WEATHER_PARAMS)))
+    want = tok.decode(generate(eng, tok.encode_chat(FORECAST), params, eos_token_ids=tok.eos_token_ids).token_ids)
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for app in ("pd", "colo"):
+        c = client(cluster, app)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=DEFAULT_MODEL, messages=FORECAST, tools=TOOLS, max_tokens=8)
+        assert e.value.body["param"] == "tools"  # type: ignore[index]
+        got = c.chat.completions.create(model=DEFAULT_MODEL, messages=FORECAST, tools=TOOLS, tool_choice=named,
+                                        max_tokens=40, temperature=0).choices[0]
+        assert got.finish_reason == "stop" and got.message.content is None and got.message.tool_calls
+        (call,) = got.message.tool_calls
+        assert call.function.name == "get_weather" and call.function.arguments == want  # type: ignore[union-attr]
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)  # type: ignore[union-attr]
+        with c.chat.completions.stream(model=DEFAULT_MODEL, messages=FORECAST, tools=TOOLS, tool_choice=named,
+                                       max_tokens=40, temperature=0) as stream:
+            (streamed,) = stream.get_final_completion().choices[0].message.tool_calls or []
+        assert streamed.function.arguments == want  # type: ignore[union-attr]
+        required = c.chat.completions.create(model=DEFAULT_MODEL, messages=FORECAST, tools=TOOLS,
+                                             tool_choice="required", max_tokens=80, temperature=0).choices[0]
+        assert required.finish_reason == "tool_calls" and required.message.tool_calls
+        for call in required.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments),  # type: ignore[union-attr]
+                                schemas[call.function.name])  # type: ignore[union-attr]
 
 
 def test_32_concurrent_streams_complete(cluster: str) -> None:

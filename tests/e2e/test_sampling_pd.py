@@ -4,7 +4,6 @@ same tokens disaggregated (token 0 on the prefill replica), colocated and in the
 
 from __future__ import annotations
 
-import asyncio
 import random
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 from decode_worker.types import DecodeRequest
 from engine.engine import Engine
 from engine.sampling import SamplingParams
-from tests.support.inprocess_pd import collect, make_colocated, make_pd, random_prompt, reference
+from tests.support.inprocess_pd import make_colocated, make_pd, random_prompt, reference, run_both_modes
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,20 +48,9 @@ async def test_both_modes_match_the_reference_in_one_batch(tiny_path: Path, ref_
     rng = random.Random(22)
     prompts = [random_prompt(rng, rng.randint(8, 70)) for _ in PARAMS]
     want = [reference(ref_engine, p, s) for p, s in zip(prompts, PARAMS, strict=True)]
-    pd = make_pd(tiny_path)
-    colo = make_colocated(tiny_path, chunk=32)
-    for w in (pd.prefill, pd.decode, colo):
-        await w.start()
-    try:
-        got = await asyncio.gather(*(pd.run(f"d{i}", p, s) for i, (p, s) in enumerate(zip(prompts, PARAMS,
-                                                                                             strict=True))))
-        assert [t for t, _ in got] == want
-        got_colo = await asyncio.gather(*(collect(colo, DecodeRequest(f"c{i}", p, s))
-                                          for i, (p, s) in enumerate(zip(prompts, PARAMS, strict=True))))
-        assert [t for t, _, _ in got_colo] == want
-    finally:
-        for w in (colo, pd.decode, pd.prefill):
-            await w.stop()
+    got, got_colo = await run_both_modes(tiny_path, prompts, PARAMS)
+    assert [t for t, _ in got] == want
+    assert [t for t, _ in got_colo] == want
 
 
 async def test_min_tokens_holds_back_a_stop_token(tiny_path: Path, ref_engine: Engine) -> None:

@@ -1,6 +1,7 @@
-"""BlockPool: a hypothesis state machine against a model of ref counts and block contents, plus unit
-tests for every error and for the eviction order. Runs with the real hash and with every hash
-forced to one constant (a collision on every lookup), where verification must reject wrong hits."""
+"""BlockPool: a hypothesis state machine against a model of ref counts and block contents (the tokens
+and the chain's salt), plus unit tests for every error and for the eviction order. Runs with the
+real hash and with every hash forced to one constant (a collision on every lookup), where
+verification must reject wrong hits."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ prompts = st.builds(lambda a, b: a + b, stems, st.lists(st.integers(0, 4), max_s
 
 
 class Seq:
-    def __init__(self, tokens: list[int], blocks: list[int]) -> None:
-        self.tokens, self.blocks = tokens, blocks
+    def __init__(self, tokens: list[int], blocks: list[int], salt: int = 0) -> None:
+        self.tokens, self.blocks, self.salt = tokens, blocks, salt
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Model: ``refs`` (block → ref count) and ``content`` (block → the token prefix its KV encodes)."""
+    """Model: ``refs`` (block → ref count) and ``content`` (block → the salt and the token prefix its
+    KV encodes: a salt stands for what else the KV depends on, e.g. a length-dependent RoPE's table)."""
 
     collisions = False
 
@@ -35,11 +37,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(num_blocks, BS, enable_prefix_cache=cache)
         self.seqs: list[Seq] = []
         self.refs: dict[int, int] = {}
-        self.content: dict[int, tuple[int, ...]] = {}
+        self.content: dict[int, tuple[int, tuple[int, ...]]] = {}
 
     def _write(self, seq: Seq, start_block: int) -> None:
         for i in range(start_block, len(seq.blocks)):
-            self.content[seq.blocks[i]] = tuple(seq.tokens[: (i + 1) * BS])
+            self.content[seq.blocks[i]] = (seq.salt, tuple(seq.tokens[: (i + 1) * BS]))
 
     def _ref(self, blocks: list[int], delta: int) -> None:
         for b in blocks:
@@ -47,11 +49,11 @@ class PoolMachine(RuleBasedStateMachine):
             if self.refs[b] == 0:
                 del self.refs[b]
 
-    @rule(tokens=prompts)
-    def new_seq(self, tokens: list[int]) -> None:
-        hit = self.pool.match_prefix(tokens[:-1])
-        for i, b in enumerate(hit):  # a hit must hold exactly this prompt's prefix
-            assert self.content.get(b) == tuple(tokens[: (i + 1) * BS]), (b, tokens, self.content.get(b))
+    @rule(tokens=prompts, salt=st.sampled_from([0, 0, 1, 40]))
+    def new_seq(self, tokens: list[int], salt: int) -> None:
+        hit = self.pool.match_prefix(tokens[:-1], salt)
+        for i, b in enumerate(hit):  # a hit must hold exactly this prompt's prefix, under its salt
+            assert self.content.get(b) == (salt, tuple(tokens[: (i + 1) * BS])), (b, tokens, self.content.get(b))
         if not self.pool.enable_prefix_cache:
             assert hit == []
         self._ref(hit, +1)
@@ -64,7 +66,7 @@ class PoolMachine(RuleBasedStateMachine):
             self._ref(hit, -1)
             return
         self._ref(fresh, +1)
-        seq = Seq(tokens, hit + fresh)
+        seq = Seq(tokens, hit + fresh, salt)
         self._write(seq, len(hit))
         self.seqs.append(seq)
 
@@ -72,9 +74,9 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def commit(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(self.seqs))
-        self.pool.commit_full_blocks(seq.blocks, seq.tokens)
+        self.pool.commit_full_blocks(seq.blocks, seq.tokens, seq.salt)
         if self.pool.enable_prefix_cache and not self.collisions:
-            hit = self.pool.match_prefix(seq.tokens)  # everything just committed is findable
+            hit = self.pool.match_prefix(seq.tokens, seq.salt)  # everything just committed is findable
             assert len(hit) == len(seq.tokens) // BS
             self.pool.free(hit)
 
@@ -99,7 +101,7 @@ class PoolMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.seqs))
         self.pool.fork(seq.blocks)
         self._ref(seq.blocks, +1)
-        self.seqs.append(Seq(list(seq.tokens), list(seq.blocks)))
+        self.seqs.append(Seq(list(seq.tokens), list(seq.blocks), seq.salt))
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -263,6 +265,26 @@ def test_collisions_never_return_wrong_blocks(monkeypatch: pytest.MonkeyPatch) -
     assert pool.match_prefix([3, 4]) == []  # same hash, x[0] holds other tokens
     assert pool.match_prefix([1, 2, 1, 2]) == [x[0]]  # x[0] is a first block, never a second one
     pool.free([x[0]])
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_salted_chains_never_share_blocks(monkeypatch: pytest.MonkeyPatch, collide: bool) -> None:
+    """The same tokens under another salt (a prompt whose RoPE table differs) are a miss, even where
+    every hash collides; salt 0 is the unsalted chain the router's `block_hashes` computes."""
+    if collide:
+        monkeypatch.setattr(bp, "hash_block", lambda parent, tokens: 7)
+    pool = BlockPool(8, 2)
+    short, long = pool.allocate(2), pool.allocate(2)
+    pool.commit_full_blocks(short, [1, 2, 3, 4])
+    pool.commit_full_blocks(long, [1, 2, 3, 4], salt=1)
+    assert pool.match_prefix([1, 2, 3, 4], salt=2) == []
+    assert pool.match_prefix([1, 2, 3, 4], salt=0) == ([short[0]] if collide else short)
+    assert pool.match_prefix([1, 2, 3, 4], salt=1) == ([] if collide else long)  # collide: short[0] holds the hash
+    if not collide:
+        assert [pool.blocks[b].hash for b in short] == block_hashes([1, 2, 3, 4], 2)
+    pool.free(short + long)  # the allocations
+    pool.free([short[0]] if collide else short + long)  # the hits
+    pool.check_integrity()
 
 
 def test_reused_parent_invalidates_its_children() -> None:

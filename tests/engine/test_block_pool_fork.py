@@ -48,14 +48,28 @@ def test_fork_shares_full_blocks_and_owns_its_next_slot(num_tokens: int, copied:
     pool = BlockPool(8, BS)
     head = pool.allocate(-(-(num_tokens + 1) // BS))  # the head's slots for num_tokens + 1, as the scheduler takes
     free = pool.num_free_blocks
-    fork, copy = fork_for_append(pool, head, num_tokens)
+    fork, copies = fork_for_append(pool, head, num_tokens)
     assert pool.num_free_blocks == free - 1  # exactly one block of its own
     full = num_tokens // BS
     assert fork[:full] == head[:full] and len(fork) == full + 1
     assert fork[full] not in head and pool.blocks[fork[full]].ref_count == 1
     assert all(pool.blocks[b].ref_count == 2 for b in head[:full])
     assert pool.blocks[head[-1]].ref_count == 1  # the head's own slot stays its own
-    assert copy == ((head[full], fork[full]) if copied else None)
+    assert copies == ([(head[full], fork[full])] if copied else [])
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("num_tokens", [6, 8])
+def test_a_fork_that_does_not_share_copies_every_block(num_tokens: int) -> None:
+    slots = -(-(num_tokens + 1) // BS)
+    pool = BlockPool(2 * slots + 1, BS)
+    head = pool.allocate(slots)
+    fork, copies = fork_for_append(pool, head, num_tokens, share=False)
+    assert len(fork) == len(head) and not set(fork) & set(head)  # nothing shared
+    assert copies == list(zip(head[: -(-num_tokens // BS)], fork, strict=False))  # every block with KV
+    assert all(pool.blocks[b].ref_count == 1 for b in head + fork)
+    with pytest.raises(NoFreeBlocksError):
+        fork_for_append(pool, head, num_tokens, share=False)  # one block free: too few
     pool.check_integrity()
 
 

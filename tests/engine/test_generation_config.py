@@ -41,13 +41,14 @@ def test_eos_is_the_union_of_both_files(tmp_path: Path, config_eos: object, gen_
 
 def test_sampling_defaults_are_what_the_file_writes(tmp_path: Path) -> None:
     written = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
-               "repetition_penalty": 1.1, "eos_token_id": [1, 2]}
+               "repetition_penalty": 1.1, "eos_token_id": [1, 2], "max_new_tokens": 300, "max_length": 4096}
     folder = write(tmp_path, {}, written)
     hf = transformers.GenerationConfig.from_pretrained(folder)
     gen = GenerationConfig.from_dir(folder)
     assert gen.sampling == SamplingDefaults(temperature=hf.temperature, top_p=hf.top_p, top_k=hf.top_k, min_p=hf.min_p,
-                                            repetition_penalty=hf.repetition_penalty)
-    assert gen.sampling == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.05, repetition_penalty=1.1)
+                                            repetition_penalty=hf.repetition_penalty, max_tokens=hf.max_new_tokens)
+    assert gen.sampling == SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.05, repetition_penalty=1.1,
+                                            max_tokens=300)  # max_length (prompt included) is not vLLM's either
     assert GenerationConfig.from_dir(write(tmp_path / "none", {}, None)) == GenerationConfig()
     assert GenerationConfig.from_dir(write(tmp_path / "eos", {}, {"eos_token_id": 2})).sampling == SamplingDefaults()
 
@@ -61,6 +62,8 @@ def test_sampling_defaults_are_what_the_file_writes(tmp_path: Path) -> None:
     ({"temperature": -1}, "temperature"),
     ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 12.5}, "max_new_tokens"),
 ])
 def test_a_bad_value_is_refused_by_name(tmp_path: Path, generation: dict[str, object], field: str) -> None:
     with pytest.raises(ModelLoadError, match=f"generation_config.json.*{field}"):

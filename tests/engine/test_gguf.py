@@ -1,7 +1,7 @@
 """GGUF → Hugging Face conversion, against tiny transformers models written the way llama.cpp writes them.
 
-Oracles: the source model's own tensors and logits (the GGUF is written here with llama.cpp's q/k
-permutation and name table, restated independently of `engine.gguf_loader`), gguf's quantize→dequantize
+Oracles: the source model's own tensors and logits (the GGUF is written by `tests.support.gguf_files` with
+llama.cpp's q/k permutation and name table, restated independently of `engine.gguf_loader`), gguf's quantize→dequantize
 round trip for quantized types, a hand-derived BPE tokenization, and the bundled model answering a
 factual question.
 """
@@ -9,10 +9,8 @@ factual question.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
@@ -27,110 +25,12 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.gguf_loader import MARKER_FILE, convert_gguf_to_hf
 from engine.tokenizer import Tokenizer
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld"]
-# llama.cpp's HF→GGUF names (gguf-py tensor_mapping), stated here independently of the loader.
-LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-         "post_attention_layernorm": "ffn_norm"}
-TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+from tests.support.gguf_files import TOKENS, llama_cpp_permute, quantized, tiny_model, write_gguf
 
 
-def byte_alphabet() -> list[str]:
-    """GPT-2's bytes_to_unicode, in byte order."""
-    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs, strict=True))
-    return [chr(table[b]) for b in range(256)]
-
-
-TOKENS = SPECIALS + byte_alphabet() + ["".join(m.split()) for m in MERGES]
-
-
-def llama_cpp_permute(w: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
-    """Exactly ``LlamaModel.permute`` from llama.cpp's convert_hf_to_gguf.py."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def gguf_name(hf: str) -> str:
-    base, _, suffix = hf.rpartition(".")
-    if base in TOP:
-        return f"{TOP[base]}.{suffix}"
-    _, _, layer, kind = base.split(".", 3)
-    return f"blk.{layer}.{LAYER[kind]}.{suffix}"
-
-
-def tiny_model(family: str, tied: bool, **overrides: Any) -> transformers.PreTrainedModel:
-    torch.manual_seed(0)
-    kw: dict[str, Any] = dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=len(TOKENS), max_position_embeddings=256,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
-    kw.update(overrides)
-    model: transformers.PreTrainedModel
-    if family == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
-    with torch.no_grad():
-        for p in model.parameters():  # norms and biases too, so a swapped name cannot hide
-            p.normal_(0, 0.2)
-    return model.float().eval()
-
-
-def quantized(data: np.ndarray, qtype: QT) -> np.ndarray:
-    """gguf's own quantizer; for a type gguf-py cannot write, zero bytes of the right size."""
-    try:
-        return gguf.quants.quantize(data, qtype)
-    except NotImplementedError:
-        return np.zeros(gguf.quants.quant_shape_to_byte_shape(data.shape, qtype), dtype=np.uint8)
-
-
-def write_gguf(path: Path, model: transformers.PreTrainedModel, qtype: QT, arch: str = "llama",
-               add_bos: bool = False, encode: Callable[[np.ndarray, QT], np.ndarray] = quantized) -> None:
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(add_bos)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if arch == "llama" and ".q_proj." in name:
-            t = llama_cpp_permute(t, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
-            t = llama_cpp_permute(t, cfg.num_attention_heads, cfg.num_key_value_heads)
-        data = t.numpy()
-        tq = qtype if data.ndim == 2 else QT.F32  # llama.cpp keeps 1-D tensors in F32
-        w.add_tensor(gguf_name(name), encode(data, tq), raw_dtype=tq)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+def linears_q8(qtype: QT, src: dict[str, torch.Tensor]) -> list[str]:
+    """The tensors a Q8_0 file's conversion keeps as int8 values + scales: its linear weights."""
+    return [k for k, v in src.items() if qtype == QT.Q8_0 and v.ndim == 2 and k != "model.embed_tokens.weight"]
 
 
 def roundtrip(t: torch.Tensor, qtype: QT) -> torch.Tensor:
@@ -150,16 +50,27 @@ def test_tensors_match_source(tmp_path: Path, family: str, tied: bool, qtype: QT
     out = convert_gguf_to_hf(tmp_path / "m.gguf", tmp_path / "hf", progress=False)
     ours = load_file(out / "model.safetensors")
     src = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    if qtype == QT.Q8_0:  # linear weights: the file's int8 values and fp16 block scales, as stored
+        linears = linears_q8(qtype, src)
+        assert set(ours) == set(src) | {k + "_scale" for k in linears}
+        for name in linears:
+            q, scale = ours[name], ours.pop(name + "_scale")
+            assert q.dtype == torch.int8 and scale.dtype == torch.float16
+            assert scale.shape == (q.shape[0], q.shape[1] // 32)
+            ours[name] = q.float() * scale.float().repeat_interleave(32, dim=1)
     assert set(ours) == set(src)
+    stored = {QT.F16: torch.float16, QT.BF16: torch.bfloat16}.get(qtype, torch.float32)  # F16, BF16 as stored
     for name, t in src.items():
-        assert ours[name].dtype == torch.float32 and ours[name].shape == t.shape, name
-        assert torch.equal(ours[name], roundtrip(t, qtype)), name
+        want_dtype = stored if t.ndim == 2 and name not in linears_q8(qtype, src) else torch.float32
+        assert ours[name].dtype == want_dtype and ours[name].shape == t.shape, name
+        assert torch.equal(ours[name].float(), roundtrip(t, qtype)), name
         if qtype == QT.F32:
             assert torch.equal(ours[name], t), name
         elif qtype == QT.Q8_0 and t.ndim == 2:  # |error| <= half a step (amax/127) + fp16 scale rounding
             bound = t.abs().amax(dim=1, keepdim=True) / 127 * 0.6
             assert ((ours[name] - t).abs() <= bound).all(), name
     cfg = ModelConfig.from_dir(out)
+    assert cfg.checkpoint_dtype == stored  # torch_dtype: the dense matrices' dtype
     shape = (cfg.family, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     assert shape == (family, 2, 4, 2, 16)
     assert cfg.tie_word_embeddings is tied and cfg.attention_bias is (family == "qwen2")

@@ -19,7 +19,7 @@ import huggingface_hub
 import pytest
 import torch
 
-from engine.bundled import prepare_model
+from engine.bundled import prepare_model, stored_dtype
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.hub import METADATA_FILES, is_hub_id
@@ -69,6 +69,9 @@ def test_cached_hub_id_loads_offline(cache: Path, tiny_model: Path) -> None:
     cfg = ModelConfig.from_dir(folder)
     assert cfg == ModelConfig.from_dir(tiny_model) and Tokenizer.from_dir(folder).vocab_size == 49152
     assert load_weights(folder, cfg, torch.float32).embed.shape == (256, 64)
+    # what `dtype: auto` reads at app build, from the cache alone
+    assert stored_dtype(REPO) == cfg.checkpoint_dtype == torch.float32
+    assert stored_dtype("tiny-org/not-cached") is None
 
 
 def test_hf_home_from_the_environment(tmp_path: Path, tiny_model: Path) -> None:

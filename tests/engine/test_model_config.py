@@ -104,11 +104,25 @@ def test_a_gemma_config_we_cannot_run_exactly_is_refused_by_name(arch: str, fiel
     ({"layer_types": ["chunked_attention"] * 4}, "layer_types"),
     ({"layer_types": ["full_attention"] * 3}, "layer_types"),
     ({"layer_types": ["sliding_attention"] * 4}, "sliding_window"),
-    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "original_max_position_embeddings"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}, "longrope"),
+    ({"rope_scaling": {"rope_type": "proportional", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "dynamic"}}, "factor"),
     ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
 ])
 def test_a_config_we_cannot_run_exactly_is_refused_by_name(fields: dict[str, Any], named: str) -> None:
     with pytest.raises(ModelLoadError, match=named):
         cfg("LlamaForCausalLM", **fields)
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling type 'linear'"),  # Phi3Config's too
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic'"),
+    ({"rope_scaling": {"type": "su", "short_factor": [1.0] * 8}}, "long_factor"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0]}}, "long_factor"),
+    ({"partial_rotary_factor": 0.75, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
+                                                      "long_factor": [2.0] * 8}}, "short_factor"),  # 6 of them
+    ({"partial_rotary_factor": 0.1}, "partial_rotary_factor"),  # int(16 * 0.1) = 1: no pair to rotate
+])
+def test_a_phi3_rope_we_cannot_run_exactly_is_refused_by_name(fields: dict[str, Any], named: str) -> None:
+    with pytest.raises(ModelLoadError, match=named):
+        cfg("Phi3ForCausalLM", **fields)

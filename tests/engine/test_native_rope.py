@@ -1,5 +1,6 @@
 """`engine.native_rope`: RoPE in place and the paged-cache store against the reference rotation
-(`engine.rope.RotaryEmbedding.apply`, fp32) and `write_kv`; every index checked before the kernel runs."""
+(`engine.rope.RotaryEmbedding.apply`, fp32) and `write_kv`, over whole heads and over their first 12 of 16
+dims (partial rotary); every index checked before the kernel runs."""
 
 from __future__ import annotations
 
@@ -15,15 +16,15 @@ H, KV, D, P = 6, 2, 16, 64
 
 
 def tables(rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-    half = D // 2
+    half = rope.sin.shape[1] // 2
     return rope.cos, torch.cat([-rope.sin[:, :half], rope.sin[:, half:]], -1)
 
 
-@pytest.fixture(scope="module")
-def rope() -> RotaryEmbedding:
+@pytest.fixture(scope="module", params=[1.0, 0.75], ids=["whole-heads", "partial"])
+def rope(request: pytest.FixtureRequest) -> RotaryEmbedding:
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(head_dim=D, rope_theta=10000.0, rope_scaling=None)
+    cfg = SimpleNamespace(head_dim=D, rope_theta=10000.0, rope_scaling=None, partial_rotary_factor=request.param)
     return RotaryEmbedding(cfg, P, torch.device("cpu"))  # type: ignore[arg-type]
 
 
@@ -46,7 +47,7 @@ def test_rotates_in_place_and_stores_exactly_the_given_slots(rope: RotaryEmbeddi
     write_kv(want_k, want_v, slots, k_ref.to(dtype), v)
 
     cos, sin = tables(rope)
-    RopeStore.for_batch(positions, slots, cos, sin, H, KV, n_slots)(qkv, kc, vc)
+    RopeStore.for_batch(positions, slots, cos, sin, H, KV, n_slots, head_dim=D)(qkv, kc, vc)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(qkv[:, : H * D].float().view(t, H, D), q_ref, atol=tol, rtol=tol)
     torch.testing.assert_close(kc.float(), want_k.float(), atol=tol, rtol=tol)
@@ -62,12 +63,18 @@ def test_every_index_is_checked_before_the_kernel_runs(rope: RotaryEmbedding) ->
     cos, sin = tables(rope)
     pos, slots = torch.tensor([0, 1]), torch.tensor([0, 1])
     with pytest.raises(ValueError, match=r"positions must lie in \[0, 64\), got \[0, 64\]"):
-        RopeStore.for_batch(torch.tensor([0, 64]), slots, cos, sin, H, KV, 32)
+        RopeStore.for_batch(torch.tensor([0, 64]), slots, cos, sin, H, KV, 32, head_dim=D)
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 64\), got \[0, 64\]"):  # a table row
+        RopeStore.for_batch(pos, slots, cos, sin, H, KV, 32, head_dim=D, rows=torch.tensor([0, 64]))
+    with pytest.raises(ValueError, match="positions must be >= 0"):
+        RopeStore.for_batch(torch.tensor([-1, 1]), slots, cos, sin, H, KV, 32, head_dim=D, rows=pos)
     with pytest.raises(ValueError, match=r"slots must lie in \[0, 32\), got \[-1, 1\]"):
-        RopeStore.for_batch(pos, torch.tensor([-1, 1]), cos, sin, H, KV, 32)
+        RopeStore.for_batch(pos, torch.tensor([-1, 1]), cos, sin, H, KV, 32, head_dim=D)
     with pytest.raises(ValueError, match="int64"):
-        RopeStore.for_batch(pos.int(), slots, cos, sin, H, KV, 32)
-    store = RopeStore.for_batch(pos, slots, cos, sin, H, KV, 32)
+        RopeStore.for_batch(pos.int(), slots, cos, sin, H, KV, 32, head_dim=D)
+    with pytest.raises(ValueError, match="R even and R <= head_dim 8"):
+        RopeStore.for_batch(pos, slots, cos, sin, H, KV, 32, head_dim=8)
+    store = RopeStore.for_batch(pos, slots, cos, sin, H, KV, 32, head_dim=D)
     kc = torch.zeros(4, 8, KV, D)
     with pytest.raises(ValueError, match=r"qkv must be a contiguous fp32/bf16 \[2, 160\]"):
         store(torch.zeros(2, 159), kc, kc.clone())

@@ -89,7 +89,8 @@ def test_every_index_is_checked_before_the_kernel_runs(tiny_dir: Path) -> None:
     assert step is not None
     cfg = m.cfg
     slots = cache.k[0].shape[0] * BLOCK
-    store = m.ropes[0].store(torch.tensor([20]), torch.tensor([3]), cfg.num_heads, cfg.num_kv_heads, slots)
+    store = m.ropes[0].store(torch.tensor([20]), torch.tensor([3]), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             slots)
     h = torch.zeros(1, cfg.hidden_size)
     with pytest.raises(ValueError, match="a position lies past its block table"):
         step(h, store, torch.tensor([[0, 1]]), cache.k, cache.v)  # 2 blocks of 8 hold positions 0..15

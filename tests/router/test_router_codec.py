@@ -86,6 +86,31 @@ def test_codec_carries_the_models_generation_config(tmp_path: Path) -> None:
     assert s.top_k == 20 and s.temperature == 1.0 and s.stop_token_ids == (2, 7)
 
 
+def test_max_new_tokens_is_the_default_max_tokens(tmp_path: Path) -> None:
+    """As vLLM's ``get_max_tokens`` with ``--generation-config auto``: a request's own max_tokens (or
+    max_completion_tokens) wins, else the default: here the YAML's ``default_max_tokens`` where set,
+    else the model's ``max_new_tokens``; either cut to what the context has left."""
+    folder = make_bos_tokenizer_dir(tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 40}))
+    codec = EngineTextCodec(folder)
+
+    def max_tokens(body: dict[str, object], room: int = 100, configured: int | None = None) -> int:
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                    **body})
+        return sampling_for(req, 3, 3 + room, configured, codec.eos_token_ids, False, codec.vocab_size,
+                            defaults=codec.sampling_defaults).max_tokens
+
+    assert codec.sampling_defaults.max_tokens == 40
+    assert max_tokens({}) == 40
+    assert max_tokens({}, room=25) == 25
+    assert max_tokens({"max_tokens": 70}) == 70 and max_tokens({"max_completion_tokens": 60}) == 60
+    assert max_tokens({}, configured=10) == 10
+    assert sampling_for(CompletionRequest.model_validate({"model": "m", "prompt": "hi"}), 3, 103, None, (), False,
+                        codec.vocab_size, defaults=codec.sampling_defaults).max_tokens == 40
+    assert sampling_for(CompletionRequest.model_validate({"model": "m", "prompt": "hi"}), 3, 103, None, (), False,
+                        codec.vocab_size).max_tokens == 100  # the model says nothing: the rest of the context
+
+
 def test_tokenize_and_detokenize_with_the_real_tokenizer(codec: TextCodec) -> None:
     from router.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize, tokenize
 

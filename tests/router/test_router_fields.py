@@ -36,12 +36,13 @@ def test_tables_are_disjoint_and_hold_no_served_field() -> None:
     assert not set(REFUSED) & set(IGNORED)
     assert not set(IGNORED) & (CHAT | COMP) and not set(REFUSED) & CHAT & COMP
     assert set(REFUSED) & COMP == {"echo"}  # served on completions, refused on chat
+    assert set(REFUSED) & CHAT == {"tools", "tool_choice", "parallel_tool_calls"}  # and the other way round
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_each_refused_field_is_a_400_naming_it(name: str) -> None:
     with pytest.raises(APIError) as e:
-        account({"model": "m", name: "not-the-default"}, CHAT)
+        account({"model": "m", name: "not-the-default"}, COMP if name in CHAT else CHAT)
     err = e.value
     assert err.status == 400 and err.param == name and name in err.message
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
@@ -49,7 +50,7 @@ def test_each_refused_field_is_a_400_naming_it(name: str) -> None:
 
 @pytest.mark.parametrize(("name", "value"), [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
-    ("response_format", {"type": "json_object"}), ("echo", True), ("best_of", 3), ("suffix", "x"),
+    ("echo", True), ("best_of", 3), ("suffix", "x"),
     ("modalities", ["text", "audio"]), ("use_beam_search", True), ("guided_json", {"type": "object"}),
 ])
 def test_realistic_refusals(name: str, value: object) -> None:
@@ -60,7 +61,7 @@ def test_realistic_refusals(name: str, value: object) -> None:
 
 @pytest.mark.parametrize(("name", "value"), [
     ("n", 1), ("n", None), ("tools", []), ("tool_choice", "none"), ("tool_choice", "auto"),
-    ("response_format", {"type": "text"}), ("echo", False), ("best_of", 1), ("suffix", ""),
+    ("echo", False), ("best_of", 1), ("suffix", ""),
     ("modalities", ["text"]), ("parallel_tool_calls", False), ("user", "u1"), ("store", True),
     ("metadata", {"k": "v"}), ("service_tier", "auto"), ("safety_identifier", "x"),
 ])
@@ -83,12 +84,19 @@ def test_unknown_fields_are_ignored_with_a_warning(caplog: pytest.LogCaptureFixt
     assert "vendor_knob" in caplog.text and "other" in caplog.text
 
 
-def test_message_tool_calls_are_refused() -> None:
+def test_malformed_tool_calls_in_messages_are_400s_naming_them() -> None:
     from pydantic import ValidationError
 
     from router.errors import from_validation_errors
 
-    with pytest.raises(ValidationError) as e:
-        ChatCompletionRequest.model_validate({"model": "m", "messages": [
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}]})
-    assert from_validation_errors(e.value.errors()).param == "messages.0.tool_calls"
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for message, param in (
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+         "messages.0.tool_calls.0.function"),
+        ({"role": "user", "content": "x", "tool_calls": [call]}, "messages.0"),
+        ({"role": "assistant", "tool_calls": [{**call, "function": {"name": "f", "arguments": "{x"}}]},
+         "messages.0.tool_calls.0.function.arguments"),
+    ):
+        with pytest.raises(ValidationError) as e:
+            ChatCompletionRequest.model_validate({"model": "m", "messages": [message]})
+        assert from_validation_errors(e.value.errors()).param == param

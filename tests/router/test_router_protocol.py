@@ -183,7 +183,7 @@ def test_message_keys_we_do_not_serve_are_refused_unless_empty() -> None:
     echoed = {"role": "assistant", "content": "hello", "refusal": None, "audio": None, "annotations": []}
     req = ChatCompletionRequest.model_validate({**base, "messages": [*base["messages"], echoed]})
     assert [m.to_template() for m in req.messages][1] == {"role": "assistant", "content": "hello"}
-    for key, value in (("tool_call_id", "call_1"), ("audio", {"id": "a1"}), ("refusal", "no")):
+    for key, value in (("audio", {"id": "a1"}), ("refusal", "no"), ("function_call", {"name": "f"})):
         with pytest.raises(ValidationError, match=key):
             ChatCompletionRequest.model_validate({**base, "messages": [{"role": "user", "content": "x", key: value}]})
     ann = {"role": "user", "content": "x", "name": "ann"}

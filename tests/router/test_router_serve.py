@@ -160,7 +160,8 @@ def test_eos_and_logprobs(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("n", 17), ("response_format", {"type": "json_object"}), ("tool_choice", "required"),
+    ("n", 17), ("response_format", {"type": "regex", "regex": "a+"}), ("tool_choice", "required"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nope"}}}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     ("use_beam_search", True), ("top_logprobs", 21),
 ])

@@ -5,7 +5,8 @@ its own engine; `PD.run` is one request through both, `PD.run_choices` one reque
 choices), `make_colocated` (a decode worker that prefills too), `reference` (the reference
 `generate()` every output is compared with), `random_prompt`, `workload` (staggered arrivals of
 random prompts), `collect` (a decode stream's tokens, finish reason and error), `collect_choices`
-(the same per choice index) and `wait_until`. The model and the reference engine are the
+(the same per choice index), `run_both_modes` (one batch of requests disaggregated, then
+colocated) and `wait_until`. The model and the reference engine are the
 session fixtures ``tiny_path`` / ``ref_engine`` of ``tests/conftest.py``.
 """
 
@@ -146,6 +147,24 @@ async def collect(worker: DecodeWorker, req: DecodeRequest) -> tuple[list[int], 
         reason = ev.finish_reason or reason
         error = ev.error or error
     return tokens, reason, error
+
+
+async def run_both_modes(path: Path, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                         chunk: int = 32) -> tuple[list[tuple[list[int], str]], list[tuple[list[int], str]]]:
+    """Every request at once through a fresh prefill + decode pair, then through a fresh colocated
+    worker: each request's (tokens, finish reason) in both modes."""
+    pd = make_pd(path)
+    colo = make_colocated(path, chunk=chunk)
+    for w in (pd.prefill, pd.decode, colo):
+        await w.start()
+    try:
+        pairs = list(enumerate(zip(prompts, params, strict=True)))
+        got = await asyncio.gather(*(pd.run(f"d{i}", p, s) for i, (p, s) in pairs))
+        got_colo = await asyncio.gather(*(collect(colo, DecodeRequest(f"c{i}", tuple(p), s)) for i, (p, s) in pairs))
+        return list(got), [(t, r) for t, r, _ in got_colo]
+    finally:
+        for w in (colo, pd.decode, pd.prefill):
+            await w.stop()
 
 
 async def wait_until(pred: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -8,7 +8,12 @@ points below 256; id 0 is EOS). Prompts steer the fakes with magic words:
 - ``CRASH1``: the prefill replica's process exits the first time (a marker file remembers);
 - ``MIDERR``: the decode stream sends two events, then an error event;
 - ``EOSAT<k>``: the k-th generated token is EOS (finish "stop");
-- ``SLOW``: 30 ms per decode event (for disconnect tests); otherwise 1 ms.
+- ``SLOW``: 30 ms per decode event (for disconnect tests); otherwise 1 ms;
+- ``SAY[[text]]``: the answer is ``text``, one character per token, then EOS (a scripted answer,
+  e.g. a tool call, through either pool).
+
+`FakeToolCodec` is the fake tokenizer with a chat template that renders tools (Hermes-style
+``<tool_call>`` markers), for the tool-calling tests.
 
 Choices (``n > 1``): choice ``i`` is the same model started ``i`` tokens further on (its token 0 is
 the prompt's successor's ``i``-th successor), so the choices' texts differ and each is known in
@@ -21,15 +26,20 @@ Decode replicas record every request whose stream was cancelled (`cancelled()`).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import llguidance
 
 from decode_worker.types import DecodeChoice, DecodeRequest, DecodeTimings, TokenEvent
 from engine.errors import QueueFullError
+from engine.grammar import GrammarError, GrammarSpec
 from engine.load_report import LoadReport
 from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling import SamplingDefaults
@@ -101,6 +111,8 @@ class FakeCodec:
     sampling_defaults = SamplingDefaults()
     vocab_size = 256
     max_model_len = None
+    chat_template = None  # its chat format renders no tools
+    renders_tools = False
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) if ord(c) < 256 else ord("?") for c in text]
@@ -108,7 +120,8 @@ class FakeCodec:
     def encode_prompt(self, text: str) -> list[int]:
         return self.encode(text)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         if any(m["role"] == "assistant" and m["content"] == "RAISE" for m in messages):
             raise ValueError("Conversation roles must alternate")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
@@ -123,12 +136,46 @@ class FakeCodec:
     def token_text(self, token_id: int) -> str:
         return chr(token_id)
 
+    def is_special_token(self, text: str) -> bool:
+        return False
+
     def detokenizer(self, skip_special_tokens: bool = True) -> FakeDetokenizer:
         return FakeDetokenizer()
+
+    async def compile_grammar(self, spec: GrammarSpec) -> None:
+        """llguidance's own check without a vocabulary (this tokenizer has no tokenizer.json)."""
+        error = llguidance.LLMatcher.validate_grammar(spec.llguidance_grammar())
+        if error:
+            raise GrammarError(error)
 
 
 def fake_codec(_: RouterConfig) -> FakeCodec:
     return FakeCodec()
+
+
+class FakeToolCodec(FakeCodec):
+    """Renders the tools as ``<tools>[...]</tools>`` before the messages; teaches ``<tool_call>``."""
+
+    chat_template = "{{ tools }}{{ messages }} <tool_call></tool_call> tool_calls"
+    renders_tools = True
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        head = self.encode(f"<tools>{json.dumps(list(tools))}</tools>") if tools else []
+        return head + super().encode_chat(messages, add_generation_prompt)
+
+
+def fake_tool_codec(_: RouterConfig) -> FakeToolCodec:
+    return FakeToolCodec()
+
+
+SCRIPT = re.compile(r"SAY\[\[(.*?)\]\]", re.S)
+
+
+def script(prompt: str) -> str | None:
+    """The scripted answer a prompt asks for (``SAY[[text]]``), if any."""
+    m = SCRIPT.search(prompt)
+    return m.group(1) if m and m.group(1) else None
 
 
 def chat_prompt_ids(messages: Sequence[dict[str, str]]) -> list[int]:
@@ -166,14 +213,15 @@ class FakePrefill:
             await asyncio.sleep(0.002)
         finally:
             self._running -= 1
-        token = successor(req.prompt_token_ids[-1])
+        said = script(text)
+        token = ord(said[0]) if said else successor(req.prompt_token_ids[-1])
         finished = req.sampling.max_tokens == 1
         handle = None if finished else KVHandle(
             transfer_id=req.request_id, source_host="127.0.0.1", source_port=9,
             n_tokens=len(req.prompt_token_ids), layout=LAYOUT, expires_at=time.time() + 30)
         reason = "length" if finished else None
-        more = tuple(FirstToken(shifted(token, i), LOGPROB, fake_top(shifted(token, i), req.sampling.top_logprobs),
-                                reason) for i in range(1, req.n))
+        firsts = [token if said else shifted(token, i) for i in range(req.n)]  # every choice says a script
+        more = tuple(FirstToken(t, LOGPROB, fake_top(t, req.sampling.top_logprobs), reason) for t in firsts[1:])
         return PrefillResult(request_id=req.request_id, token_id=token, logprob=LOGPROB, handle=handle,
                              finished=finished, finish_reason=reason,
                              timings=PrefillTimings(queue_s=0.001, prefill_s=0.002),
@@ -203,6 +251,7 @@ class FakeDecode:
         m = re.search(r"EOSAT(\d+)", text)
         eos_at = int(m.group(1)) if m else None
         delay = 0.03 if "SLOW" in text else 0.001
+        said = script(text)
         n_max = req.sampling.max_tokens
         live = {c.index: self._start(req, c) for c in choices}  # index → [last token, tokens produced]
         self._running += 1
@@ -216,7 +265,10 @@ class FakeDecode:
                                          error="fake decode failure")
                         return
                     produced += 1
-                    t = EOS if eos_at is not None and produced == eos_at else successor(t)
+                    if said is not None:  # every choice says the script
+                        t = ord(said[produced - 1]) if produced <= len(said) else EOS
+                    else:
+                        t = EOS if eos_at is not None and produced == eos_at else successor(t)
                     live[index] = [t, produced]
                     finish = "stop" if t == EOS else ("length" if produced == n_max else None)
                     timings = DecodeTimings(queue_s=0.001, transfer_s=0.001, prefill_s=0.002) if finish else None
