@@ -155,8 +155,6 @@ class DecodeWorker:
                 if self.colocated
                 else "disaggregated decode needs a KV handle (prefill first)"
             )
-        if any((c.first_token_id is None) != self.colocated for c in req.choice_list()):
-            raise ValueError("each choice needs its token 0 from the prefill (disaggregated), none colocated")
         self.engine.check_length(n_prompt, req.sampling.max_tokens)
         if req.prompt_logprobs is not None and not self.colocated:
             raise ValueError("prompt log-probs are computed by the prefill pool, not a disaggregated decode")
@@ -165,7 +163,9 @@ class DecodeWorker:
             raise ValueError(f"request id {req.request_id!r} is already streaming")
         if self._queued_beyond_free_slots() >= self.config.max_queue:
             raise QueueFullError(f"decode queue is full ({self.config.max_queue} waiting)", 1.0)
-        group = ChoiceGroup.new(req, self.eos_ids, vocab)
+        group = ChoiceGroup.new(req, self.eos_ids, vocab)  # a grammar rejecting a token 0 raises here
+        if any((c.first_token_id is None) != self.colocated for c in req.choice_list()):
+            raise ValueError("each choice needs its token 0 from the prefill (disaggregated), none colocated")
         forks = [st.seq_id for st in group.streams[1:]]
         self.scheduler.add(group.head.seq_id, n_prompt, arrival=group.head.enqueued, forks=forks)
         self.groups[req.request_id] = group

@@ -197,3 +197,30 @@ async def test_choices_run_beside_other_requests(tiny_path, ref_engine: Engine) 
     finally:
         await pd.decode.stop()
         await pd.prefill.stop()
+
+
+async def test_choices_under_a_grammar_each_follow_their_own_matcher(tmp_path_factory: pytest.TempPathFactory
+                                                                     ) -> None:
+    """A JSON-schema grammar and 3 seeded choices: each choice's matcher is its own (token 0 on the
+    prefill worker, rebuilt on decode; colocated), each equal to the reference with its seed."""
+    import json
+
+    from engine.config import EngineConfig
+    from engine.generate import generate
+    from engine.grammar import GrammarSpec
+    from engine.tokenizer import Tokenizer
+    from tests.support.inprocess_pd import EOS
+    from tests.support.models import make_tiny_chat_model
+
+    path = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-choices"), seed=13)
+    schema = {"type": "object", "properties": {"name": {"enum": ["ann", "bob"]}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=9,
+                            grammar=GrammarSpec("json_schema", json.dumps(schema)))
+    prompt = tuple(Tokenizer.from_dir(path).encode_chat([{"role": "user", "content": "A person as JSON."}]))
+    ref = Engine.from_dir(path, EngineConfig(num_blocks=64, block_size=16))
+    want = {i: generate(ref, prompt, choice_params(params, i), eos_token_ids=(EOS,)).token_ids for i in range(3)}
+    assert len({tuple(t) for t in want.values()}) > 1  # the seeds pick different answers
+    for got in await run_modes(path, prompt, params, n=3):
+        assert got == want
+
