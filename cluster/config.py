@@ -322,7 +322,8 @@ class ClusterConfig(_Section):
                             max_body_bytes=lim.max_body_bytes, default_max_tokens=lim.default_max_tokens,
                             prefill_timeout_s=lim.prefill_timeout_s, token_timeout_s=lim.token_timeout_s,
                             ready_timeout_s=lim.ready_timeout_s,
-                            max_inflight_requests=lim.max_inflight_requests or self.decode_capacity_per_router())
+                            max_inflight_requests=lim.max_inflight_requests or self.decode_capacity_per_router(),
+                            max_choices=min(RouterConfig.max_choices, self.decode.max_num_seqs))
 
     def decode_capacity_per_router(self) -> int:
         """Requests the decode pool holds (running + queued, at its most replicas), per router replica.

@@ -26,9 +26,25 @@ one more, empty block for the next token). (c) ``admitted``: start pulling KV in
 already finished (they outgrew the whole pool, or broke a deadlock, see `schedule`): end them with an error.
 Before `finish` on a TRANSFERRING sequence, the worker must stop any transfer into its blocks.
 
-Invariants (`check_integrity`): each live sequence is in exactly the queue its status names; the
-pool's used blocks are exactly the live sequences' blocks (none shared: they arrive by transfer, so
-the pool needs no prefix cache); swapped blocks stay within the swap space.
+Forks (the ``n`` choices of one request): ``add(head, ..., forks=ids)`` queues the head with its
+forks, one sequence each, created WAITING with it but queued as one: the group is admitted together
+when its blocks (the head's ``num_tokens + 1`` slots, one block per fork) fit above the watermark
+and its size fits ``max_num_seqs``. At admission each fork shares the head's full prompt blocks by
+reference and gets one block of its own: its slot for token 0's KV, which for a prompt that ends
+mid-block is a copy of the head's partial last block (`engine.block_pool.fork_for_append`:
+copy-on-write; with ``share_prompt`` off, each fork copies every block of the head's). The KV
+arrives into the head's blocks only; `on_transfer_done` of the head moves the whole group to
+RUNNING and returns those copies, which the worker makes before the next step (the head's blocks
+hold the KV then, and nothing else writes them). From then on the forks are independent
+sequences: each grows, is swapped out (dropping only its own references: a block its siblings
+share stays put, a host copy of it goes with the swapped seq) and swapped back into blocks of its
+own, and finishes on its own. Finishing a head before its KV is in (abort, failed transfer)
+finishes its forks too: they have nothing to run on; finishing a fork then only drops it.
+
+Invariants (`check_integrity`): each live sequence is in exactly the queue its status names (a
+waiting fork in none: its head is queued for it); each block's ref count is the number of live
+sequences whose table names it; a running sequence's next slot is in a block of its own (ref 1);
+swapped blocks stay within the swap space.
 """
 
 from __future__ import annotations
@@ -36,9 +52,11 @@ from __future__ import annotations
 import bisect
 import enum
 import operator
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, fork_for_append
 from engine.config import EngineConfig
 from engine.errors import ContextLengthError
 
@@ -48,6 +66,8 @@ class SchedulerConfig:
     max_num_seqs: int = EngineConfig.max_num_seqs  # running + transferring + swapped
     watermark_blocks: int = 1  # kept free at admission and resume so running sequences can grow
     max_swap_blocks: int = 4096  # host blocks for swapped-out KV; keep it a few times num_blocks
+    share_prompt: bool = True  # forks share the prompt's full blocks (off where a decode step may
+    # rewrite a sequence's whole KV: a RoPE recomputed at a crossing; then each fork copies them all)
 
 
 class SeqStatus(enum.Enum):
@@ -67,6 +87,9 @@ class SeqState:
     status: SeqStatus = SeqStatus.WAITING
     num_swapped_blocks: int = 0  # blocks of KV held on host while SWAPPED
     order: int = 0  # insertion number, the FCFS tie-break
+    forks: list[str] = field(default_factory=list)  # a head, until its KV is in: its forks' ids
+    fork_of: str | None = None  # a fork, until its head's KV is in: the head's id
+    cow: list[tuple[int, int]] = field(default_factory=list)  # a fork, until then: (head's block, its copy)
 
 
 _fcfs = operator.attrgetter("arrival", "order")  # sort key of every queue but transferring
@@ -97,19 +120,32 @@ class DecodeScheduler:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.pool.block_size)
 
-    def add(self, seq_id: str, num_tokens: int, arrival: float) -> SeqState:
-        """Queue a request whose KV for ``num_tokens`` tokens will arrive by transfer."""
+    def _group_blocks(self, seq: SeqState) -> int:
+        """Blocks a group takes at admission: the head's slots for num_tokens + 1, one per fork (or,
+        not sharing, the same as the head's)."""
+        per_fork = 1 if self.config.share_prompt else self._blocks_for(seq.num_tokens + 1)
+        return self._blocks_for(seq.num_tokens + 1) + per_fork * len(seq.forks)
+
+    def add(self, seq_id: str, num_tokens: int, arrival: float, forks: Sequence[str] = ()) -> SeqState:
+        """Queue a request whose KV for ``num_tokens`` tokens will arrive by transfer; ``forks``: the
+        ids of the sequences that continue the same KV beside it (see the module docstring)."""
         if num_tokens < 1:
             raise ValueError(f"{seq_id}: num_tokens must be >= 1, got {num_tokens}")
-        if seq_id in self._seqs:
-            raise ValueError(f"{seq_id}: already scheduled")
-        need = self._blocks_for(num_tokens + 1)
+        ids = [seq_id, *forks]
+        if len(set(ids)) != len(ids) or any(i in self._seqs for i in ids):
+            raise ValueError(f"{seq_id}: already scheduled (or a repeated fork id)")
+        if len(ids) > self.config.max_num_seqs:
+            raise ValueError(f"{seq_id}: {len(ids)} sequences exceed max_num_seqs {self.config.max_num_seqs}")
+        seq = SeqState(seq_id, num_tokens, arrival, order=self._next_order, forks=list(forks))
+        need = self._group_blocks(seq)
         if need + self.config.watermark_blocks > self.pool.num_blocks:
             pool = f"the decode pool has {self.pool.num_blocks} (watermark {self.config.watermark_blocks})"
-            raise ContextLengthError(f"{seq_id}: {num_tokens} tokens need {need} blocks, {pool}")
-        seq = SeqState(seq_id, num_tokens, arrival, order=self._next_order)
+            what = f"{num_tokens} tokens" + (f" in {len(ids)} sequences" if forks else "")
+            raise ContextLengthError(f"{seq_id}: {what} need {need} blocks, {pool}")
         self._next_order += 1
         self._seqs[seq_id] = seq
+        for fid in forks:
+            self._seqs[fid] = SeqState(fid, num_tokens, arrival, order=seq.order, fork_of=seq_id)
         bisect.insort(self._waiting, seq, key=_fcfs)
         return seq
 
@@ -145,15 +181,18 @@ class DecodeScheduler:
             bisect.insort(self._running, seq, key=_fcfs)
         while self._waiting and not self._swapped:
             seq = self._waiting[0]
-            need = self._blocks_for(seq.num_tokens + 1)
             live = len(self._running) + len(self._transferring) + len(self._swapped)
-            room = self.pool.num_free_blocks - need
-            if live >= self.config.max_num_seqs or room < self.config.watermark_blocks:
+            room = self.pool.num_free_blocks - self._group_blocks(seq)
+            if live + 1 + len(seq.forks) > self.config.max_num_seqs or room < self.config.watermark_blocks:
                 break
             self._waiting.pop(0)
-            seq.block_ids = self.pool.allocate(need)
-            seq.status = SeqStatus.TRANSFERRING
-            self._transferring[seq.request_id] = seq
+            seq.block_ids = self.pool.allocate(self._blocks_for(seq.num_tokens + 1))
+            for fork in [seq, *(self._seqs[f] for f in seq.forks)]:
+                if fork is not seq:
+                    fork.block_ids, fork.cow = fork_for_append(self.pool, seq.block_ids, seq.num_tokens,
+                                                               self.config.share_prompt)
+                fork.status = SeqStatus.TRANSFERRING
+                self._transferring[fork.request_id] = fork
             out.admitted.append(seq)
         out.decode = [s for s in self._running if s.request_id not in stalled]
         return out
@@ -207,16 +246,27 @@ class DecodeScheduler:
             raise ValueError(f"{request_id}: transfer {event} while {seq.status.value}")
         return seq
 
-    def on_transfer_done(self, request_id: str) -> None:
-        """TRANSFERRING → RUNNING. A late report for an aborted (finished) request is ignored."""
+    def on_transfer_done(self, request_id: str) -> list[tuple[int, int]]:
+        """TRANSFERRING → RUNNING, the head's forks with it; returns the copies ``(source, destination)``
+        of the head's partial last block the worker must make before the next step (see the module
+        docstring). A late report for an aborted (finished) request is ignored."""
         seq = self._transferring_seq(request_id, "done")
-        if seq is not None:
-            del self._transferring[request_id]
-            seq.status = SeqStatus.RUNNING
-            bisect.insort(self._running, seq, key=_fcfs)
+        if seq is None:
+            return []
+        if seq.fork_of is not None:
+            raise ValueError(f"{request_id}: a fork's KV arrives with its head {seq.fork_of}")
+        copies: list[tuple[int, int]] = []
+        for s in [seq, *(self._seqs[f] for f in seq.forks)]:
+            copies += s.cow
+            s.fork_of, s.cow = None, []
+            del self._transferring[s.request_id]
+            s.status = SeqStatus.RUNNING
+            bisect.insort(self._running, s, key=_fcfs)
+        seq.forks = []
+        return copies
 
     def on_transfer_failed(self, request_id: str) -> None:
-        """TRANSFERRING → FINISHED, blocks freed. Ignored for an unknown or finished request."""
+        """TRANSFERRING → FINISHED (forks too), blocks freed. Ignored for an unknown or finished request."""
         seq = self._transferring_seq(request_id, "failed")
         if seq is not None:
             self._release(seq)
@@ -230,15 +280,25 @@ class DecodeScheduler:
             raise ValueError(f"{request_id}: token written without a slot; call schedule() first")
         seq.num_tokens += 1
 
-    def finish(self, request_id: str) -> None:
-        """Any state → FINISHED, blocks freed, forgotten (abort too). Idempotent."""
+    def finish(self, request_id: str) -> list[str]:
+        """Any state → FINISHED, blocks freed, forgotten (abort too); returns the ids finished (with a
+        head whose KV is not in yet, its forks too). Idempotent."""
         seq = self._seqs.get(request_id)
-        if seq is not None:
-            self._release(seq)
+        if seq is None:
+            return []
+        forks = list(seq.forks)
+        self._release(seq)
+        return [request_id, *forks]
 
     def _release(self, seq: SeqState) -> None:
+        for fid in list(seq.forks):  # a head before its KV is in: its forks have nothing to run on
+            self._release(self._seqs[fid])
+        if seq.fork_of is not None:
+            self._seqs[seq.fork_of].forks.remove(seq.request_id)
+            seq.fork_of, seq.cow = None, []
         if seq.status is SeqStatus.WAITING:
-            self._waiting.remove(seq)
+            if seq in self._waiting:  # a waiting fork is not queued: its head is
+                self._waiting.remove(seq)
         elif seq.status is SeqStatus.TRANSFERRING:
             del self._transferring[seq.request_id]
         elif seq.status is SeqStatus.RUNNING:
@@ -287,15 +347,27 @@ class DecodeScheduler:
             assert all(s.status is status for s in queue), f"a seq in the {status.value} queue is not"
             if status is not SeqStatus.TRANSFERRING:
                 assert [_fcfs(s) for s in queue] == sorted(map(_fcfs, queue)), f"{status.value} out of order"
-        ids = sorted(s.request_id for _, queue in queues for s in queue)
-        assert ids == sorted(self._seqs), "a live seq is in no queue, or in two"
-        owned = [b for s in self._seqs.values() for b in s.block_ids]
-        assert len(owned) == len(set(owned)), "a block is owned by two sequences"
-        assert len(owned) == self.pool.num_used_blocks, f"{len(owned)} owned, pool says used"
+        ids = [s.request_id for _, queue in queues for s in queue]
+        ids += [f for s in self._waiting for f in s.forks]  # queued with their head
+        assert sorted(ids) == sorted(self._seqs), "a live seq is in no queue, or in two"
+        for s in self._seqs.values():
+            head = self._seqs.get(s.fork_of) if s.fork_of is not None else None
+            assert s.fork_of is None or (head is not None and s.request_id in head.forks
+                                         and s.status is head.status), f"{s.request_id}: fork without its head"
+            assert not s.forks or s.status in (SeqStatus.WAITING, SeqStatus.TRANSFERRING), s.request_id
+            assert len(set(s.block_ids)) == len(s.block_ids), f"{s.request_id}: a block twice in one table"
+        owners = Counter(b for s in self._seqs.values() for b in s.block_ids)
+        assert len(owners) == self.pool.num_used_blocks, f"{len(owners)} owned, pool says used"
+        for b, k in owners.items():
+            refs = self.pool.blocks[b].ref_count
+            assert refs == k, f"block {b}: ref_count {refs}, {k} owners"
         for s in self._seqs.values():
             room = len(s.block_ids) * self.pool.block_size
             with_kv = s.status in (SeqStatus.TRANSFERRING, SeqStatus.RUNNING)
             assert room >= s.num_tokens if with_kv else room == 0, f"{s.request_id}: {room} slots"
+            if with_kv and s.num_tokens < room:
+                slot = s.block_ids[s.num_tokens // self.pool.block_size]
+                assert owners[slot] == 1, f"{s.request_id}: its next slot is in shared block {slot}"
         swapped = sum(s.num_swapped_blocks for s in self._swapped)
         assert self._swap_used == swapped <= self.config.max_swap_blocks, f"swap space: {swapped} blocks"
         self.pool.check_integrity()

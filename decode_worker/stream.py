@@ -1,4 +1,4 @@
-"""One request's state inside a decode worker: its pending events, sampler and generated tokens.
+"""One choice's state inside a decode worker: its pending events, sampler and generated tokens.
 
 Invariants: events are pushed only from the worker's event loop; ``close`` is called exactly once
 and pushes the stream's final event (the one with a ``finish_reason``). ``next_event`` hands the
@@ -22,7 +22,9 @@ from engine.sampling import SamplerState, TopLogprobs
 @dataclass(eq=False)
 class Stream:
     req: DecodeRequest
-    sampler: SamplerState
+    sampler: SamplerState  # with this choice's seed (`engine.choices`)
+    index: int = 0  # the choice
+    seq_id: str = ""  # its sequence in the scheduler (the request id for a lone choice 0)
     pending: deque[TokenEvent] = field(default_factory=deque)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     generated: list[int] = field(default_factory=list)  # token 0 included
@@ -38,6 +40,9 @@ class Stream:
     transfer_bytes: int = 0
     prefill_s: float = 0.0
     prompt_scores: PromptLogprobs | None = None  # colocated: the prompt's log-probs so far, when asked
+
+    def __post_init__(self) -> None:
+        self.seq_id = self.seq_id or self.req.request_id
 
     @property
     def request_id(self) -> str:
@@ -62,6 +67,12 @@ class Stream:
         while not self.pending:
             self.ready.clear()
             await self.ready.wait()
+        return self.take()
+
+    def take(self) -> TokenEvent:
+        """The first pending event merged with every token event queued behind it (some must be pending).
+
+        ``ready`` may be shared by a request's choices (`decode_worker.choices.ChoiceGroup`)."""
         taken = [self.pending.popleft()]
         while self.pending and taken[-1].finish_reason is None and taken[-1].token_ids and self.pending[0].token_ids:
             taken.append(self.pending.popleft())
@@ -81,6 +92,7 @@ class Stream:
             TokenEvent(
                 request_id=self.request_id,
                 token_ids=(token_id,),
+                index=self.index,
                 logprobs=lps,
                 top_logprobs=tops,
                 finish_reason=finish_reason,
@@ -98,6 +110,7 @@ class Stream:
             TokenEvent(
                 request_id=self.request_id,
                 token_ids=(),
+                index=self.index,
                 finish_reason=finish_reason,
                 error=error,
                 error_code=error_code,

@@ -1,7 +1,8 @@
 """What crosses the decode pool's boundary: a request with its KV handle in, a token stream out.
 
-Invariants: a stream is a sequence of `TokenEvent`s of which exactly the last has a
-``finish_reason``; ``finish_reason == "error"`` carries ``error`` text (and, where the caller can act on it, an
+Invariants: a stream is a sequence of `TokenEvent`s, each tagged with its choice's ``index``; of
+each choice's events exactly the last has a ``finish_reason``, and the stream ends after every
+choice's last event; ``finish_reason == "error"`` carries ``error`` text (and, where the caller can act on it, an
 ``error_code``) and the request's blocks are already freed when it is sent.
 """
 
@@ -15,12 +16,23 @@ from kv_transfer.handle import KVHandle
 
 
 @dataclass(frozen=True)
+class DecodeChoice:
+    """One choice of a request to decode: its index among the request's ``n`` (which picks its seed,
+    `engine.choices`) and, disaggregated, its token 0 from the prefill (colocated: None)."""
+
+    index: int
+    first_token_id: int | None = None
+
+
+@dataclass(frozen=True)
 class DecodeRequest:
     """Continue a sequence whose prompt KV was built by a prefill replica (or build it here).
 
     Disaggregated: ``first_token_id`` is token 0 from the prefill and ``handle`` says where its KV
     is. Colocated: both are ``None`` and the worker prefills the prompt itself, then streams token 0
-    as its first event.
+    as its first event. Several choices (``n > 1``): ``choices`` lists each one to decode, with its
+    token 0 (``first_token_id`` is then None); the prompt's KV is pulled (or prefilled) once and
+    forked into one sequence per choice. Without ``choices`` the request is choice 0 alone.
     """
 
     request_id: str
@@ -30,6 +42,18 @@ class DecodeRequest:
     handle: KVHandle | None = None
     arrival_time: float = 0.0
     prompt_logprobs: int | None = None  # colocated only: the prompt's log-probs, k alternatives each
+    choices: tuple[DecodeChoice, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.choices and self.first_token_id is not None:
+            raise ValueError("first_token_id is for one choice; with choices, each carries its own")
+        indices = [c.index for c in self.choices]
+        if len(set(indices)) != len(indices) or any(i < 0 for i in indices):
+            raise ValueError(f"choice indices must be distinct and >= 0, got {indices}")
+
+    def choice_list(self) -> tuple[DecodeChoice, ...]:
+        """The choices to decode: ``choices``, or choice 0 with ``first_token_id``."""
+        return self.choices or (DecodeChoice(0, self.first_token_id),)
 
 
 @dataclass(frozen=True)
@@ -56,6 +80,7 @@ class TokenEvent:
 
     request_id: str
     token_ids: tuple[int, ...]
+    index: int = 0  # the choice these tokens belong to
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[TopLogprobs, ...] | None = None  # one per token, when the request asks
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -66,14 +91,15 @@ class TokenEvent:
 
 
 def merge_events(events: list[TokenEvent]) -> TokenEvent:
-    """Successive events of one request as one: tokens (and log-probs) in order, the last event's
-    end. Log-probs (and top log-probs) survive only if every event carries them; prompt log-probs
-    (on token 0's event alone) survive."""
+    """Successive events of one choice of one request as one: tokens (and log-probs) in order, the
+    last event's end. Log-probs (and top log-probs) survive only if every event carries them; prompt
+    log-probs (on token 0's event alone) survive."""
     last = events[-1]
     lps = [ev.logprobs for ev in events]
     tops = [ev.top_logprobs for ev in events]
     return TokenEvent(
         request_id=last.request_id,
+        index=last.index,
         token_ids=tuple(t for ev in events for t in ev.token_ids),
         logprobs=None if any(lp is None for lp in lps) else tuple(x for lp in lps if lp is not None for x in lp),
         top_logprobs=None if any(t is None for t in tops) else tuple(x for t in tops if t is not None for x in t),

@@ -20,8 +20,13 @@ Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler
    the caller closing the stream frees its blocks before the next step (a transfer in flight is
    allowed to finish first, so nothing is ever written into blocks someone else owns).
 
+Several choices (`DecodeRequest.choices`): one stream each, as a `decode_worker.choices.ChoiceGroup`
+whose head takes the prompt's KV and whose forks share it (`decode_worker.scheduler`); the worker
+makes their copies of a shared partial block when the KV is in and (colocated) samples each one's token 0.
+
 Invariants: the scheduler, pool and streams are touched only on the event loop; the model runs on the
-engine's `ModelThread`, one forward at a time; each stream gets exactly one final event.
+engine's `ModelThread`, one forward at a time; each stream gets exactly one final event; ending the
+head of a group before its KV is in ends every stream of the group.
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ from collections.abc import AsyncIterator, Sequence
 
 import torch
 
+from decode_worker.choices import ChoiceGroup
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import KVImporter
 from decode_worker.scheduler import DecodeScheduler, SchedulerConfig, SchedulerOutput, SeqStatus
 from decode_worker.stream import Stream
-from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent, merge_events
+from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.grammar import GrammarVocab, load_grammar
@@ -46,7 +52,7 @@ from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens
 from engine.prompt_logprobs import PromptLogprobs, ScoreAsk, check_prompt_logprobs, chunk_ask
 from engine.runner import DecodeSeq, PrefillChunk
-from engine.sampling import SamplerState, TopLogprobs, sample
+from engine.sampling import TopLogprobs, sample
 from engine.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
@@ -74,11 +80,13 @@ class DecodeWorker:
                 max_num_seqs=engine.config.max_num_seqs,
                 watermark_blocks=config.watermark_blocks,
                 max_swap_blocks=config.max_swap_blocks,
+                share_prompt=engine.model_config.rope_recompute_position is None,  # see SchedulerConfig
             ),
             engine.pool,
         )
-        self.streams: dict[str, Stream] = {}
-        self.prefilling: list[Stream] = []  # colocated: admitted, prompt KV still being computed
+        self.streams: dict[str, Stream] = {}  # by sequence id
+        self.groups: dict[str, ChoiceGroup] = {}  # by request id, while any of its streams is live
+        self.prefilling: list[ChoiceGroup] = []  # colocated: admitted, prompt KV still being computed
         self.host_swap: dict[str, torch.Tensor] = {}
         self._loop = StepLoop(f"{replica_id}-step-loop", self._step, self._fail_streams)
         self._background: set[asyncio.Future[None]] = set()
@@ -100,36 +108,20 @@ class DecodeWorker:
             self._end(stream, "error", "decode worker stopped")
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
-        """The stream's events: its first at once, then ``stream_interval`` tokens per event (fewer
-        when the consumer catches up with the end); a token-less end follows the tokens before it."""
+        """Every choice's events, tagged with its index: each choice's first at once, then
+        ``stream_interval`` tokens per event (fewer when the consumer catches up with the end); a
+        token-less end follows the tokens before it (`decode_worker.choices.Relay`)."""
         vocab = await load_grammar(req.sampling.grammar, self.engine.model_dir, self.eos_ids)
-        stream = self._admit(req, vocab)
-        interval = self.config.stream_interval
-        held: TokenEvent | None = None  # tokens not yet sent, fewer than the interval
-        sent = False
+        group = self._admit(req, vocab)
+        wait = self.config.token_timeout_s
         try:
-            while True:
-                try:
-                    ev = await asyncio.wait_for(stream.next_event(), self.config.token_timeout_s)
-                except asyncio.TimeoutError:
-                    self._end(stream, "error", f"no token within {self.config.token_timeout_s:.0f} s")
-                    continue  # the error event is queued now
-                if held is not None:
-                    if ev.token_ids:
-                        ev = merge_events([held, ev])
-                    else:
-                        yield held
-                    held = None
-                if sent and ev.finish_reason is None and len(ev.token_ids) < interval:
-                    held = ev
-                    continue
+            async for ev in group.relay(self.config.stream_interval, wait,
+                                        lambda st: self._end(st, "error", f"no token within {wait:.0f} s")):
                 yield ev
-                sent = True
-                if ev.finish_reason is not None:
-                    return
         finally:
-            if not stream.closed or req.request_id in self.streams:
-                self._abort(stream)
+            for st in group.streams:
+                if not st.closed or st.seq_id in self.streams:
+                    self._abort(st)
 
     def load_report(self) -> LoadReport:
         s = self.scheduler
@@ -155,7 +147,7 @@ class DecodeWorker:
 
     # -- admission and abort ------------------------------------------------------------------
 
-    def _admit(self, req: DecodeRequest, vocab: GrammarVocab | None = None) -> Stream:
+    def _admit(self, req: DecodeRequest, vocab: GrammarVocab | None = None) -> ChoiceGroup:
         n_prompt = len(req.prompt_token_ids)
         if self.colocated != (req.handle is None):
             raise ValueError(
@@ -167,21 +159,19 @@ class DecodeWorker:
         if req.prompt_logprobs is not None and not self.colocated:
             raise ValueError("prompt log-probs are computed by the prefill pool, not a disaggregated decode")
         check_prompt_logprobs(req.prompt_logprobs)
-        if req.request_id in self.streams:
+        if req.request_id in self.groups:
             raise ValueError(f"request id {req.request_id!r} is already streaming")
         if self._queued_beyond_free_slots() >= self.config.max_queue:
             raise QueueFullError(f"decode queue is full ({self.config.max_queue} waiting)", 1.0)
-        sampled = () if req.first_token_id is None else (req.first_token_id,)  # token 0, from the prefill
-        sampler = SamplerState.new(req.sampling, req.prompt_token_ids, sampled, self.eos_ids, vocab)
-        stream = Stream(req=req, sampler=sampler)
-        if not self.colocated:
-            assert req.first_token_id is not None
-            stream.generated.append(req.first_token_id)
-            stream.next_token = req.first_token_id
-        self.scheduler.add(req.request_id, n_prompt, arrival=stream.enqueued)
-        self.streams[req.request_id] = stream
+        group = ChoiceGroup.new(req, self.eos_ids, vocab)  # a grammar rejecting a token 0 raises here
+        if any((c.first_token_id is None) != self.colocated for c in req.choice_list()):
+            raise ValueError("each choice needs its token 0 from the prefill (disaggregated), none colocated")
+        forks = [st.seq_id for st in group.streams[1:]]
+        self.scheduler.add(group.head.seq_id, n_prompt, arrival=group.head.enqueued, forks=forks)
+        self.groups[req.request_id] = group
+        self.streams.update((st.seq_id, st) for st in group.streams)
         self._loop.wake()
-        return stream
+        return group
 
     def _queued_beyond_free_slots(self) -> int:
         """Waiting sequences that the next ``schedule()`` cannot admit for want of a batch slot.
@@ -196,10 +186,13 @@ class DecodeWorker:
     def _abort(self, stream: Stream) -> None:
         """The caller went away: free now, or as soon as a transfer into the blocks has finished."""
         stream.aborted = True
-        seq = self.scheduler.get(stream.request_id)
-        if seq is not None and seq.status is SeqStatus.TRANSFERRING and stream.pull_task is not None:
+        seq = self.scheduler.get(stream.seq_id)
+        group = self.groups.get(stream.request_id)
+        pulling = group is not None and group.pull_task is not None
+        if seq is not None and seq.status is SeqStatus.TRANSFERRING and pulling:
             return  # the pull task sees `aborted` and finishes the sequence
-        if seq is not None and seq.status is SeqStatus.WAITING and stream.req.handle is not None:
+        head = group is not None and group.head is stream
+        if seq is not None and seq.status is SeqStatus.WAITING and stream.req.handle is not None and head:
             task = asyncio.ensure_future(self._release(stream))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -213,17 +206,26 @@ class DecodeWorker:
             log.warning("release of %s failed: %s", stream.request_id, e)
 
     def _end(self, stream: Stream, reason: str, error: str | None = None, code: str | None = None) -> None:
-        """Finish a stream without a new token; frees its blocks and forgets it."""
+        """Finish a stream without a new token; frees its blocks and forgets it. A group's head
+        before its KV is in takes the group's other streams with it (their forks end with it)."""
         stream.close(reason, error, code)
-        self._forget(stream)
+        for other in filter(None, map(self.streams.get, self._forget(stream)[1:])):
+            other.close(reason, error, code)
+            self._forget(other)
 
-    def _forget(self, stream: Stream) -> None:
-        self.scheduler.finish(stream.request_id)
-        self.host_swap.pop(stream.request_id, None)
-        with contextlib.suppress(ValueError):
-            self.prefilling.remove(stream)
-        if self.streams.pop(stream.request_id, None) is not None:
+    def _forget(self, stream: Stream) -> list[str]:
+        """Drop a stream (its sequence freed); returns the sequences the scheduler finished."""
+        finished = self.scheduler.finish(stream.seq_id)
+        self.host_swap.pop(stream.seq_id, None)
+        group = self.groups.get(stream.request_id)
+        if group is not None and group.head is stream:
+            with contextlib.suppress(ValueError):
+                self.prefilling.remove(group)
+        if self.streams.pop(stream.seq_id, None) is not None:
             self.num_finished += 1
+        if group is not None and not any(st.seq_id in self.streams for st in group.streams):
+            del self.groups[stream.request_id]
+        return finished
 
     # -- step loop ------------------------------------------------------------------------------
 
@@ -235,7 +237,8 @@ class DecodeWorker:
         out = self.scheduler.schedule()
         self._execute_swaps_and_admissions(out)
         decode = [self.streams[s.request_id] for s in out.decode if s.request_id in self.streams]
-        chunks, prefill_streams = self._plan_prefill()
+        chunks, prefill_groups = self._plan_prefill()
+        prefill_streams = [g.head for g in prefill_groups]
         if not decode and not chunks:
             await self._loop.idle(1.0)
             return
@@ -257,7 +260,7 @@ class DecodeWorker:
         if dec_logits is not None:
             self._after_decode(decode, dec_logits)
         if pre_logits is not None:
-            self._after_prefill(prefill_streams, chunks, pre_logits, scored, dt)
+            self._after_prefill(prefill_groups, chunks, pre_logits, scored, dt)
 
     def _forward(
         self, seqs: list[DecodeSeq], chunks: list[PrefillChunk], asks: list[ScoreAsk | None]
@@ -270,7 +273,7 @@ class DecodeWorker:
         return dec, pre, scored
 
     def _decode_seq(self, st: Stream) -> DecodeSeq:
-        seq = self.scheduler.get(st.request_id)
+        seq = self.scheduler.get(st.seq_id)
         assert seq is not None and st.next_token is not None
         if st.decode_started is None:
             st.decode_started = time.monotonic()
@@ -291,74 +294,85 @@ class DecodeWorker:
             if st is not None:
                 self._end(st, "error", "sequence outgrew the decode pool's KV blocks")
         for seq in out.admitted:
-            st = self.streams[seq.request_id]
-            st.admitted_at = time.monotonic()
+            group = self.groups[self.streams[seq.request_id].request_id]
+            for st in group.streams:
+                st.admitted_at = time.monotonic()
             if self.colocated:
-                self.prefilling.append(st)
+                self.prefilling.append(group)
             else:
-                st.pull_task = asyncio.create_task(self._pull(st, list(seq.block_ids)))
+                group.pull_task = asyncio.create_task(self._pull(group, list(seq.block_ids)))
 
-    async def _pull(self, st: Stream, block_ids: list[int]) -> None:
-        assert self.importer is not None and st.req.handle is not None
+    async def _pull(self, group: ChoiceGroup, block_ids: list[int]) -> None:
+        assert self.importer is not None and group.req.handle is not None
+        head = group.head
         try:
-            stats = await self.importer.pull(st.req.handle, self.engine.cache, block_ids)
+            stats = await self.importer.pull(group.req.handle, self.engine.cache, block_ids)
         except Exception as e:
-            log.warning("KV pull for %s failed: %s", st.request_id, e)
-            self.scheduler.on_transfer_failed(st.request_id)
-            self._end(st, "error", f"KV transfer failed: {e}", KV_LOST)
+            log.warning("KV pull for %s failed: %s", head.request_id, e)
+            self.scheduler.on_transfer_failed(head.seq_id)
+            for st in group.streams:
+                self._end(st, "error", f"KV transfer failed: {e}", KV_LOST)
             return
         finally:
-            st.pull_task = None
+            group.pull_task = None
             self._loop.wake()
-        st.transfer_s, st.transfer_bytes = stats.seconds, stats.bytes
-        if st.aborted:
-            self._end(st, "abort")
-        else:
-            self.scheduler.on_transfer_done(st.request_id)
+        for st in group.streams:
+            st.transfer_s, st.transfer_bytes = stats.seconds, stats.bytes
+        group.kv_in(self.scheduler, self.engine.cache)
+        for st in group.streams:
+            if st.aborted and not st.closed:
+                self._end(st, "abort")
 
-    def _plan_prefill(self) -> tuple[list[PrefillChunk], list[Stream]]:
+    def _plan_prefill(self) -> tuple[list[PrefillChunk], list[ChoiceGroup]]:
         """Colocated only: whole prompts at once, or ``prefill_chunk_size`` tokens this step split as
-        the prefill pool splits its budget (`engine.prefill_planner`)."""
-        remaining = [len(st.req.prompt_token_ids) - st.prefilled for st in self.prefilling]
+        the prefill pool splits its budget (`engine.prefill_planner`); into each group's head."""
+        remaining = [len(g.head.req.prompt_token_ids) - g.head.prefilled for g in self.prefilling]
         budget = self.config.prefill_chunk_size or sum(remaining)
         cap = self.config.prefill_chunk_size or max(remaining, default=1)
         chunks: list[PrefillChunk] = []
-        streams: list[Stream] = []
-        for st, n in zip(self.prefilling, grant_tokens(remaining, budget, cap), strict=True):
+        groups: list[ChoiceGroup] = []
+        for group, n in zip(self.prefilling, grant_tokens(remaining, budget, cap), strict=True):
             if n == 0:
                 continue
-            seq = self.scheduler.get(st.request_id)
+            st = group.head
+            seq = self.scheduler.get(st.seq_id)
             assert seq is not None
             prompt = st.req.prompt_token_ids
             chunks.append(PrefillChunk(prompt[st.prefilled : st.prefilled + n], st.prefilled, seq.block_ids,
                                        prompt_len=len(prompt)))
-            streams.append(st)
-        return chunks, streams
+            groups.append(group)
+        return chunks, groups
 
     def _after_prefill(
-        self, streams: list[Stream], chunks: list[PrefillChunk], logits: torch.Tensor,
+        self, groups: list[ChoiceGroup], chunks: list[PrefillChunk], logits: torch.Tensor,
         scored: list[PromptLogprobs | None], dt: float,
     ) -> None:
-        for row, (st, chunk) in enumerate(zip(streams, chunks, strict=True)):
-            if st.request_id not in self.streams:
+        for row, (group, chunk) in enumerate(zip(groups, chunks, strict=True)):
+            st = group.head
+            if st.seq_id not in self.streams:
                 continue  # aborted while the step ran; its blocks are already free
             st.prefilled += len(chunk.token_ids)
-            st.prefill_s += dt
+            for member in group.streams:
+                member.prefill_s += dt
             if (part := scored[row]) is not None:
                 st.prompt_scores = part if st.prompt_scores is None else st.prompt_scores + part
             if st.prefilled < len(st.req.prompt_token_ids):
                 continue
-            self.prefilling.remove(st)
-            self.scheduler.on_transfer_done(st.request_id)
-            out = sample(logits[row : row + 1], [st.sampler])
-            self._emit(st, out.token_ids[0], out.logprobs[0], out.top[0], st.prompt_scores)
+            self.prefilling.remove(group)
+            group.kv_in(self.scheduler, self.engine.cache)
+            live = [m for m in group.streams if m.seq_id in self.streams]
+            # token 0 of every choice from the same logits row, each with its own sampler (seed);
+            # the prompt's log-probs ride on the head's
+            out = sample(logits[row : row + 1].expand(len(live), -1).contiguous(), [m.sampler for m in live])
+            for m, tok, lp, top in zip(live, *out, strict=True):
+                self._emit(m, tok, lp, top, st.prompt_scores if m is st else None)
 
     def _after_decode(self, streams: list[Stream], logits: torch.Tensor) -> None:
         out = sample(logits, [st.sampler for st in streams])
         for st, tok, lp, top in zip(streams, *out, strict=True):
-            if st.request_id not in self.streams:
+            if st.seq_id not in self.streams:
                 continue  # aborted while the step ran; its blocks are already free
-            self.scheduler.on_token(st.request_id)
+            self.scheduler.on_token(st.seq_id)
             self._emit(st, tok, lp, top)
 
     def _emit(self, st: Stream, tok: int, lp: float, top: TopLogprobs = (),

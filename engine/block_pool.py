@@ -11,6 +11,11 @@ Invariants (checked by `BlockPool.check_integrity`):
 - ``num_free_blocks`` = free list + cached set: both can be handed out by `allocate`, which takes
   the plain free list first and evicts cached blocks (LRU) only when it is empty.
 
+Sharing: `fork` adds a reference to blocks another sequence holds (the n choices of one prompt
+share the prompt's KV). A block with ref_count > 1 is read-only: a sequence about to write into
+one takes its own copy first (`copy_on_write`; `fork_for_append` forks a sequence and gives it its
+own slot for the next token), so freeing a sequence only ever drops its own references.
+
 Prefix hits are verified, never trusted: the block found for a hash must hold the same tokens, its
 recorded parent must be the very block matched just before it, and its chain's salt the one asked
 for. The salt says what besides the tokens a block's KV depends on (`ModelConfig.rope_table_key`: a
@@ -149,6 +154,28 @@ class BlockPool:
         for bid in block_ids:
             self.blocks[bid].ref_count += 1
 
+    def copy_on_write(self, block_ids: Sequence[int], position: int) -> tuple[list[int], tuple[int, int] | None]:
+        """Make the block that holds ``position`` this sequence's own before it writes there.
+
+        Returns the sequence's new table and, when that block was shared (ref_count > 1), the copy
+        the caller must make on the device, ``(shared block, its fresh copy)``: the table names the
+        copy, and the shared block loses this sequence's reference. An unshared block is returned
+        as is, with no copy. Raises ValueError on a position the table does not reach and
+        `NoFreeBlocksError` when a copy is needed and no block is free, changing nothing.
+        """
+        i = position // self.block_size
+        if not 0 <= i < len(block_ids):
+            raise ValueError(f"position {position} is outside a table of {len(block_ids)} blocks")
+        shared = block_ids[i]
+        self._check_id(shared)
+        if self.blocks[shared].ref_count <= 1:
+            return list(block_ids), None
+        (copy,) = self.allocate(1)
+        self.blocks[shared].ref_count -= 1  # still > 0: another sequence keeps it
+        table = list(block_ids)
+        table[i] = copy
+        return table, (shared, copy)
+
     def match_prefix(self, token_ids: Sequence[int], salt: int = 0) -> list[int]:
         """Longest run of cached full blocks holding ``token_ids[:k * block_size]``, registered under
         ``salt``; each gets a reference.
@@ -268,3 +295,33 @@ class BlockPool:
             assert block.hash is not None
             del self._by_hash[block.hash]
         block.hash, block.token_ids, block.serial, block.parent, block.salt = None, (), None, None, 0
+
+
+def fork_for_append(pool: BlockPool, block_ids: Sequence[int], num_tokens: int, share: bool = True
+                    ) -> tuple[list[int], list[tuple[int, int]]]:
+    """A new sequence that continues the one whose KV for ``num_tokens`` tokens is in ``block_ids``.
+
+    The fork shares every full block (one more reference each) and gets its own slot for token
+    ``num_tokens``: a fresh block when ``num_tokens`` is block-aligned, else a private copy of the
+    shared partial last block (copy-on-write, done at the fork because the fork's very next token
+    is written there). ``share=False``: every block is copied (for sequences that may rewrite their
+    whole KV). Returns the fork's table and the copies ``(source, destination)`` for the caller to
+    make on the device once the sources hold their KV. Takes one free block (``share=False``: one
+    per block of ``num_tokens + 1`` slots); raises `NoFreeBlocksError` (changing nothing) when they
+    are not free, ValueError when ``block_ids`` cannot hold ``num_tokens`` tokens.
+    """
+    bs = pool.block_size
+    n_data = -(-num_tokens // bs)
+    if num_tokens < 1 or len(block_ids) < n_data:
+        raise ValueError(f"{len(block_ids)} blocks cannot hold the KV of {num_tokens} tokens")
+    if not pool.can_allocate(1 if share else -(-(num_tokens + 1) // bs)):
+        raise NoFreeBlocksError("a fork needs free blocks of its own, too few are free")
+    table = list(block_ids[:n_data])
+    pool.fork(table)
+    if num_tokens % bs == 0:
+        table += pool.allocate(1)
+    copies: list[tuple[int, int]] = []
+    for pos in range(num_tokens - num_tokens % bs if share else 0, num_tokens, bs):
+        table, copy = pool.copy_on_write(table, pos)
+        copies += [copy] if copy is not None else []
+    return table, copies

@@ -1,7 +1,9 @@
 """What crosses the prefill pool's boundary: requests in, results (token 0 + KV handle) out.
 
 Invariants: every field is a plain typed value (these travel through Ray as pickles); a result with
-``finished=True`` carries no handle (nothing to decode, the blocks are already freed); a result with
+``finished=True`` carries no handle (every choice ended at token 0: nothing to decode, the blocks
+are already freed); a result for ``n`` choices carries ``n`` first tokens (`PrefillResult.first_tokens`),
+each sampled from the same logits with its choice's seed (`engine.choices`); a result with
 a handle keeps its blocks in the worker's outbox until the decode side pulls or releases them, or
 the lease ends.
 """
@@ -26,6 +28,11 @@ class PrefillRequest:
     # the prompt's log-probs with this many alternatives per position (None: not computed); such a
     # request takes no prefix-cache hit (a cached prefix has no logits) but still publishes its blocks
     prompt_logprobs: int | None = None
+    n: int = 1  # choices: the prompt is prefilled once, token 0 sampled once per choice
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
 
 
 @dataclass(frozen=True)
@@ -38,16 +45,31 @@ class PrefillTimings:
 
 
 @dataclass(frozen=True)
+class FirstToken:
+    """Token 0 of one choice."""
+
+    token_id: int
+    logprob: float | None
+    top_logprobs: TopLogprobs = ()
+    finish_reason: str | None = None  # "stop" | "length" when token 0 ends this choice
+
+
+@dataclass(frozen=True)
 class PrefillResult:
-    """Token 0 and where to pull the prompt's KV from."""
+    """Token 0 (of choice 0; ``more_choices``: of choices 1..n-1) and where to pull the prompt's KV from."""
 
     request_id: str
     token_id: int
     logprob: float | None
     handle: KVHandle | None
-    finished: bool = False  # token 0 ended the request (EOS, stop id, max_tokens == 1, grammar complete)
-    finish_reason: str | None = None  # "stop" | "length" when finished
+    finished: bool = False  # token 0 ended the request, every choice (EOS, stop id, max_tokens == 1, grammar complete)
+    finish_reason: str | None = None  # "stop" | "length" when token 0 ends choice 0 (finished or not)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     timings: PrefillTimings = field(default_factory=PrefillTimings)
     top_logprobs: TopLogprobs = ()  # token 0's most likely alternatives, when the request asks
     prompt_logprobs: PromptLogprobs | None = None  # positions 1.. of the prompt, when the request asks
+    more_choices: tuple[FirstToken, ...] = ()  # n > 1: token 0 of choices 1..n-1, in order
+
+    def first_tokens(self) -> tuple[FirstToken, ...]:
+        """Token 0 of every choice, in index order."""
+        return (FirstToken(self.token_id, self.logprob, self.top_logprobs, self.finish_reason), *self.more_choices)

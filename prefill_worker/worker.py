@@ -15,12 +15,14 @@ Life cycle of a request (each name is a queue or a state in this file):
    ``max_chunk_tokens`` per step — a long prompt is prefilled over several steps (chunked prefill)
    and short prompts pass it between its chunks; several short prompts share one forward. A job
    that asks for prompt log-probs has each chunk's scored in the same forward (`engine.prompt_logprobs`).
-4. After its last chunk a job samples token 0, registers its full blocks in the prefix cache, and
-   its blocks move to the **outbox** under a lease; the caller gets a `PrefillResult` with a
-   `KVHandle`. If token 0 already ends the request (EOS, a stop id, ``max_tokens == 1``, a complete
-   grammar) the blocks are freed at once and the result has no handle. Token 0 is sampled under the
-   request's grammar (compiled, off the event loop, before the job is queued); a token the grammar
-   rejects fails the request rather than leave this worker.
+4. After its last chunk a job samples token 0 (``n`` choices: one token 0 per choice, each from
+   the same logits with its choice's seed, `engine.choices`), registers its full blocks in the
+   prefix cache, and its blocks move to the **outbox** under a lease; the caller gets a
+   `PrefillResult` with a `KVHandle`. If token 0 already ends the request (EOS, a stop id,
+   ``max_tokens == 1``, a complete grammar; for every choice) the blocks are freed at once and the
+   result has no handle. Token 0 is sampled under the request's grammar (compiled, off the event
+   loop, before the job is queued); a token the grammar rejects fails the request rather than leave
+   this worker.
 5. The decode side pulls the blocks and sends DONE (or RELEASE); the outbox frees them then, or
    when the lease expires.
 
@@ -40,9 +42,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from engine.choices import choice_params
 from engine.engine import Engine
 from engine.errors import QueueFullError
-from engine.grammar import GrammarError, load_grammar
+from engine.grammar import GrammarError, GrammarVocab, load_grammar
 from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens, wants_more
 from engine.prompt_logprobs import PromptLogprobs, check_prompt_logprobs, chunk_ask
@@ -53,7 +58,7 @@ from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from kv_transfer.outbox import Outbox
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.types import PrefillRequest, PrefillResult, PrefillTimings
+from prefill_worker.types import FirstToken, PrefillRequest, PrefillResult, PrefillTimings
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +68,8 @@ class _Job:
     req: PrefillRequest
     future: asyncio.Future[PrefillResult]
     enqueued: float
-    sampler: SamplerState
+    sampler: SamplerState  # choice 0's (the others' are built for token 0 from the same vocabulary)
+    vocab: GrammarVocab | None = None  # the grammar's, when the request has one
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0
     computed: int = 0  # prompt tokens whose KV is written (cached prefix included)
@@ -126,7 +132,7 @@ class PrefillWorker:
         vocab = await load_grammar(req.sampling.grammar, self.engine.model_dir, self.eos_ids)
         sampler = SamplerState.new(req.sampling, req.prompt_token_ids, eos_ids=self.eos_ids, vocab=vocab)
         job = _Job(req=req, future=asyncio.get_running_loop().create_future(), enqueued=time.monotonic(),
-                   sampler=sampler)
+                   sampler=sampler, vocab=vocab)
         self.waiting.append(job)
         self._loop.wake()
         try:
@@ -209,14 +215,31 @@ class PrefillWorker:
             job.num_chunks += 1
         return chunks, jobs
 
-    def _finish(self, job: _Job, logits_row: object) -> None:
+    def _first_tokens(self, job: _Job, logits_row: torch.Tensor) -> list[FirstToken]:
+        """Token 0 of each choice, sampled from the prompt's last logits ([1, V]), each with its own
+        state (seed, grammar matcher); raises `GrammarError` if a grammar rejected one."""
         req = job.req
-        grammar = job.sampler.grammar
-        out = sample(logits_row, [job.sampler])  # type: ignore[arg-type]
-        token, logprob, top = out.token_ids[0], out.logprobs[0], out.top[0]
-        if grammar is not None and grammar.error is not None:  # never hand on a token it rejected
-            self._fail(job, GrammarError(grammar.error))
+        states = [job.sampler, *(SamplerState.new(choice_params(req.sampling, i), req.prompt_token_ids,
+                                                  eos_ids=self.eos_ids, vocab=job.vocab) for i in range(1, req.n))]
+        out = sample(logits_row.expand(req.n, -1).contiguous(), states)
+        firsts = []
+        for st, token, logprob, top in zip(states, *out, strict=True):
+            grammar = st.grammar
+            if grammar is not None and grammar.error is not None:
+                raise GrammarError(grammar.error)
+            stop = req.sampling.is_stop(token, self.eos_ids) or (grammar is not None and grammar.done)
+            reason = "stop" if stop else ("length" if req.sampling.max_tokens == 1 else None)
+            firsts.append(FirstToken(token, logprob, top, reason))
+        return firsts
+
+    def _finish(self, job: _Job, logits_row: torch.Tensor) -> None:
+        req = job.req
+        try:
+            first, *more = self._first_tokens(job, logits_row)
+        except GrammarError as e:  # never hand on a token the grammar rejected
+            self._fail(job, e)
             return
+        token, logprob, top = first.token_id, first.logprob, first.top_logprobs
         pool = self.engine.pool
         pool.commit_full_blocks(job.blocks, job.prompt, self.engine.prefix_salt(len(job.prompt)))
         timings = PrefillTimings(
@@ -225,13 +248,13 @@ class PrefillWorker:
             num_chunks=job.num_chunks,
         )
         self.num_prefilled += 1
-        stop = req.sampling.is_stop(token, self.eos_ids) or (grammar is not None and grammar.done)
-        if stop or req.sampling.max_tokens == 1 or job.future.done():  # done: the caller gave up
+        ended = all(f.finish_reason is not None for f in (first, *more))
+        if ended or job.future.done():  # done: the caller gave up
             pool.free(job.blocks)
             result = PrefillResult(
                 request_id=req.request_id, token_id=token, logprob=logprob, handle=None, finished=True,
-                finish_reason="stop" if stop else "length", num_cached_tokens=job.num_cached, timings=timings,
-                top_logprobs=top, prompt_logprobs=job.scores,
+                finish_reason=first.finish_reason or "length", num_cached_tokens=job.num_cached, timings=timings,
+                top_logprobs=top, prompt_logprobs=job.scores, more_choices=tuple(more),
             )
         else:
             transfer_id = f"{req.request_id}-{uuid.uuid4().hex[:12]}"
@@ -244,6 +267,7 @@ class PrefillWorker:
             result = PrefillResult(
                 request_id=req.request_id, token_id=token, logprob=logprob, handle=handle,
                 num_cached_tokens=job.num_cached, timings=timings, top_logprobs=top, prompt_logprobs=job.scores,
+                finish_reason=first.finish_reason, more_choices=tuple(more),
             )
         if not job.future.done():
             job.future.set_result(result)

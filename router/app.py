@@ -191,7 +191,8 @@ class Router:
             model=req.model, codec=self._codec, prompt_tokens=len(prompt),
             logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0, include_usage=req.include_usage,
             echo=echo_text(req, prompt, self._codec) if req.echo else "",
-            echo_logprobs=req.echo and req.logprobs is not None, prompt_ids=prompt if k is not None else ())
+            echo_logprobs=req.echo and req.logprobs is not None, prompt_ids=prompt if k is not None else (),
+            n=req.n)
         return await self._run(req.stream, prompt, req, fmt, k)
 
     @app.post("/v1/chat/completions")
@@ -206,13 +207,15 @@ class Router:
                                        logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
                                        include_usage=req.include_usage,
                                        prompt_ids=prompt if req.prompt_logprobs is not None else (),
-                                       tools=ToolCallStream(tools) if tools.reads_calls else None)
+                                       tools=ToolCallStream(tools) if tools.reads_calls else None, n=req.n)
         return await self._run(req.stream, prompt, req, fmt, req.prompt_logprobs, grammar)
 
     async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
                    prompt_logprobs: int | None, grammar: GrammarSpec | None = None) -> Response:
         """``grammar``: a forced tool call's (already checked), in place of ``response_format``'s."""
         arrival_mono = time.perf_counter()
+        if req.n > self._config.max_choices:  # a decode replica runs every choice of a request at once
+            raise bad_request(f"n: at most {self._config.max_choices} choices per request are served", param="n")
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
                                 self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size, fmt.top_logprobs,
                                 self._codec.sampling_defaults)
@@ -223,7 +226,7 @@ class Router:
         inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
                               stop_strings=req.stop_strings, include_stop_str=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
-                              arrival_mono=arrival_mono)
+                              arrival_mono=arrival_mono, n=req.n)
         deltas = self._generation.stream(inp)
         try:
             first = await deltas.__anext__()

@@ -93,9 +93,11 @@ class Backends:
 
     @asynccontextmanager
     async def generate(self, req: DecodeRequest) -> AsyncIterator[AsyncIterator[TokenEvent]]:
-        """A decode stream; exiting the ``async with`` before its end cancels it."""
+        """A decode stream, which ends after every choice's final event; exiting the ``async with``
+        before its end cancels it."""
         stream = self._decode.options(stream=True).generate.remote(req)
         finished = False
+        going = {c.index for c in req.choice_list()}
 
         async def events() -> AsyncIterator[TokenEvent]:
             nonlocal finished
@@ -110,9 +112,11 @@ class Backends:
                         f"no token from the decode pool within {self._token_timeout_s:g} s") from None
                 except REPLICA_GONE as e:
                     raise unavailable("the decode replica serving this request went away") from e
-                yield event
                 if event.finish_reason is not None:
-                    finished = True
+                    going.discard(event.index)
+                    finished = not going  # before the yield: a consumer may stop at the last event
+                yield event
+                if finished:
                     return
 
         try:

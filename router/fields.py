@@ -22,6 +22,7 @@ Served fields (both endpoints unless marked):
 | field | notes |
 |---|---|
 | model, messages (chat), prompt (completions) | one prompt per request |
+| n | 1..16 (<= decode.max_num_seqs): one prefill, its KV forked per choice; seeds per choice (`engine.choices`) |
 | max_tokens, max_completion_tokens (chat) | the latter wins when both are set |
 | temperature, top_p, seed, stop | OpenAI's ranges; at most 4 stop strings |
 | frequency_penalty, presence_penalty | -2..2, over the output tokens (OpenAI's formula) |
@@ -64,10 +65,8 @@ _GUIDED = Refused("only response_format's json_object and json_schema constrain 
 
 # Refused unless at their default: each would change the output in a way we do not build (yet).
 REFUSED: dict[str, Refused] = {
-    # OpenAI, both endpoints
-    "n": Refused("only one choice per request is generated", (1,)),
     # OpenAI, completions
-    "best_of": Refused("best_of needs n > 1 choices, which are not generated", (1,)),
+    "best_of": Refused("ranking candidates by log-prob on the server is not supported", (1,)),
     "echo": Refused("echo is served on /v1/completions only", (False,)),
     "suffix": Refused("the model has no insert (suffix) mode", ("",)),
     # OpenAI, chat

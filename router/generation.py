@@ -19,9 +19,17 @@ handle released (`Backends.release`) rather than left to its lease.
 Admission (`router.admission`) comes first: a replica at its bound of requests in flight refuses
 with 429 before the prefill, so nothing it admits is later dropped for load.
 
-Invariants: exactly one Delta carries a finish reason, and it is the last; ``completion_tokens``
-counts every generated token up to and including the one that finished the request (token 0
-included, EOS included), as OpenAI and vLLM count; the text of a stop token (EOS or a requested
+Choices (``n > 1``): the prompt is prefilled once and token 0 sampled for every choice (each with
+its own seed, `engine.choices`); one decode call runs the choices still going (the decode replica
+forks the prompt's KV for them) and its events carry their choice's index. Each choice has its own
+detokenizer, stop strings, bounds and finish reason; a Delta carries its choice's ``index``. A choice
+ended here (stop string, our ``max_tokens`` bound) has its later events ignored; the decode call is
+cancelled once every choice has ended.
+
+Invariants: of each choice's Deltas exactly one carries a finish reason, and it is that choice's
+last; the stream ends after every choice's last Delta; ``completion_tokens`` counts every generated
+token of a choice up to and including the one that finished it (token 0 included, EOS included), as
+OpenAI and vLLM count; the text of a stop token (EOS or a requested
 stop id) is emitted only with ``include_stop_str_in_output``; stop strings are looked for once more
 than ``min_tokens`` tokens are out (vLLM's rule; the sampler masks stop ids until ``min_tokens``); stopping early
 (stop string, our own ``max_tokens`` bound, consumer gone) cancels the decode stream.
@@ -35,9 +43,10 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
-from decode_worker.types import KV_LOST, DecodeRequest, DecodeTimings, TokenEvent
+from decode_worker.types import KV_LOST, DecodeChoice, DecodeRequest, DecodeTimings, TokenEvent
 from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling import SamplingParams, TopLogprobs
+from kv_transfer.handle import KVHandle
 from prefill_worker.types import PrefillRequest
 from router.admission import Admission
 from router.backends import Backends, TokenTimeoutError
@@ -62,6 +71,7 @@ class GenerationInput:
     prompt_logprobs: int | None = None  # the prompt's log-probs, this many alternatives each (None: not asked)
     arrival_time: float = field(default_factory=time.time)  # wall clock, for worker queue metrics
     arrival_mono: float = field(default_factory=time.perf_counter)  # for our latency metrics
+    n: int = 1  # choices (`engine.choices.MAX_CHOICES` at most, bounded by the request model)
 
 
 @dataclass(frozen=True)
@@ -72,15 +82,36 @@ class Delta:
     finish_reason: str | None = None
     top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token when the request asks, else empty
     cached_tokens: int = 0  # on token 0's delta: prompt tokens the prefill took from its prefix cache
-    prompt_logprobs: PromptLogprobs | None = None  # on token 0's delta, when the request asks
+    prompt_logprobs: PromptLogprobs | None = None  # on token 0's delta (choice 0's), when the request asks
+    index: int = 0  # the choice
+
+
+@dataclass
+class _Choice:
+    """One choice as the router follows it."""
+
+    detok: Detokenizer
+    stops: StopMatcher
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    last_sent: float | None = None  # for its inter-token latency
 
 
 @dataclass
 class _State:
-    num_tokens: int = 0
-    finish_reason: str | None = None
+    choices: list[_Choice]
     first_sent: float | None = None
     last_sent: float | None = None
+    decoded: bool = False  # a decode event brought a token
+    timed: bool = False  # the decode side's timings are recorded (once per request, not per choice)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
 
 
 class Generation:
@@ -94,36 +125,32 @@ class Generation:
         self._admission = admission or Admission(None)
 
     async def stream(self, inp: GenerationInput) -> AsyncGenerator[Delta, None]:
-        st = _State()
+        st = _State([_Choice(self._codec.detokenizer(inp.skip_special_tokens),
+                             StopMatcher(inp.stop_strings, inp.include_stop_str)) for _ in range(inp.n)])
         stop_ids = frozenset(inp.sampling.stop_token_ids)
         if not inp.sampling.ignore_eos:
             stop_ids |= frozenset(self._codec.eos_token_ids)
-        detok = self._codec.detokenizer(inp.skip_special_tokens)
-        stops = StopMatcher(inp.stop_strings, inp.include_stop_str)
         self._admission.enter()  # 429 now, before any token, if this replica is at its bound
         unclaimed = None  # a handle no decode replica has answered for yet: released if we end here
         try:
-            first: int | None = None
+            firsts: dict[int, int | None] = dict.fromkeys(range(inp.n))  # choice → token 0 (colocated: None)
             handle = None
             if self._backends.disaggregated:
-                result = await self._backends.prefill(PrefillRequest(
-                    request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
-                    sampling=inp.sampling, arrival_time=inp.arrival_time, prompt_logprobs=inp.prompt_logprobs))
+                result = await self._backends.prefill(self._prefill_request(inp, scored=True))
+                handle = unclaimed = result.handle  # released if we end before a decode replica has it
                 self._metrics.queue.observe(result.timings.queue_s)
                 self._metrics.prefill.observe(result.timings.prefill_s)
-                delta = self._advance(st, inp, detok, stops, stop_ids, (result.token_id,), (result.logprob,),
-                                      (result.top_logprobs,),
-                                      result.finish_reason if result.finished else None)
-                delta = dataclasses.replace(delta, cached_tokens=result.num_cached_tokens)
-                yield self._sent(st, _with_prompt_logprobs(delta, inp, result.prompt_logprobs))
-                if st.finish_reason is not None:
+                for i, ft in enumerate(result.first_tokens()):
+                    delta = self._advance(st.choices[i], inp, stop_ids, (ft.token_id,), (ft.logprob,),
+                                          (ft.top_logprobs,), ft.finish_reason)
+                    delta = dataclasses.replace(delta, cached_tokens=result.num_cached_tokens, index=i)
+                    if i == 0:
+                        delta = _with_prompt_logprobs(delta, inp, result.prompt_logprobs)
+                    yield self._sent(st, delta)
+                    firsts[i] = ft.token_id
+                if st.finished:
                     return
-                first, handle = result.token_id, result.handle
-                unclaimed = handle
-            req = DecodeRequest(request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
-                                sampling=inp.sampling, first_token_id=first, handle=handle,
-                                arrival_time=inp.arrival_time,
-                                prompt_logprobs=None if handle is not None else inp.prompt_logprobs)
+            req = self._decode_request(inp, st, firsts, handle)
             rebuilds = 1 if handle is not None else 0  # times the prompt's KV may be prefilled again
             while True:
                 lost: str | None = None
@@ -131,17 +158,24 @@ class Generation:
                     async for ev in events:
                         unclaimed = None  # the decode replica has it: it pulls, releases or requeues
                         if ev.finish_reason == "error":
-                            if ev.error_code == KV_LOST and rebuilds and st.num_tokens == 1:
+                            if ev.error_code == KV_LOST and rebuilds and not st.decoded:
                                 lost = ev.error or "KV lost"
                                 break
                             raise StreamError(ev.error or "the decode pool failed this request")
-                        self._record_timings(ev.timings)
-                        delta = self._advance(st, inp, detok, stops, stop_ids, ev.token_ids,
-                                              _logprobs(ev), ev.top_logprobs or (), ev.finish_reason)
-                        if first is None and st.first_sent is None:  # colocated: token 0's event
+                        if ev.timings is not None and not st.timed:
+                            st.timed = True
+                            self._record_timings(ev.timings)
+                        choice = st.choices[ev.index]
+                        if choice.finish_reason is not None:
+                            continue  # ended here (a stop string): the replica runs it until all end
+                        st.decoded = st.decoded or bool(ev.token_ids)
+                        delta = self._advance(choice, inp, stop_ids, ev.token_ids, _logprobs(ev),
+                                              ev.top_logprobs or (), ev.finish_reason)
+                        delta = dataclasses.replace(delta, index=ev.index)
+                        if handle is None and st.first_sent is None:  # colocated: token 0's event
                             delta = _with_prompt_logprobs(delta, inp, ev.prompt_logprobs)
                         yield self._sent(st, delta)
-                        if st.finish_reason is not None:
+                        if st.finished:
                             return
                 if lost is None:
                     break
@@ -150,7 +184,7 @@ class Generation:
                     self._backends.release(req.handle)  # if its source still holds it (e.g. requeued)
                 req = await self._prefill_again(inp, req, lost)
                 unclaimed = req.handle
-            if st.finish_reason is None:
+            if not st.finished:
                 raise StreamError("the decode stream ended without a finish reason")
         except TokenTimeoutError as e:
             raise StreamError(str(e)) from None
@@ -160,32 +194,47 @@ class Generation:
             self._admission.leave()
             self._finish(st, inp)
 
+    @staticmethod
+    def _prefill_request(inp: GenerationInput, scored: bool = False) -> PrefillRequest:
+        """The prefill call (``scored``: with the prompt's log-probs, when the request asks)."""
+        return PrefillRequest(request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
+                              sampling=inp.sampling, arrival_time=inp.arrival_time, n=inp.n,
+                              prompt_logprobs=inp.prompt_logprobs if scored else None)
+
+    @staticmethod
+    def _decode_request(inp: GenerationInput, st: _State, firsts: dict[int, int | None],
+                        handle: KVHandle | None) -> DecodeRequest:
+        """The decode call: one choice as itself, several as the list of those still going."""
+        one = inp.n == 1
+        live = tuple(DecodeChoice(i, firsts[i]) for i, c in enumerate(st.choices) if c.finish_reason is None)
+        return DecodeRequest(request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
+                             sampling=inp.sampling, first_token_id=firsts[0] if one else None, handle=handle,
+                             arrival_time=inp.arrival_time, choices=() if one else live,
+                             prompt_logprobs=None if handle is not None else inp.prompt_logprobs)
+
     async def _prefill_again(self, inp: GenerationInput, req: DecodeRequest, why: str) -> DecodeRequest:
         """The decode pool could not pull the prompt's KV (its prefill replica died after answering,
         or the lease ran out while the request queued): prefill it again, on whichever replica
-        Serve picks, and resubmit with the new handle. The client already has token 0, so the
-        request keeps that token whatever the new prefill samples; only its KV is used."""
+        Serve picks, and resubmit with the new handle. The client already has every choice's
+        token 0, so the request keeps those tokens whatever the new prefill samples; only its KV is used."""
         logger.warning("KV of %s was lost before decode (%s); prefilling again", inp.request_id, why)
-        result = await self._backends.prefill(PrefillRequest(
-            request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
-            sampling=inp.sampling, arrival_time=inp.arrival_time))
+        result = await self._backends.prefill(self._prefill_request(inp))
         if result.handle is None:
             raise StreamError(f"the prompt's KV was lost ({why}) and could not be rebuilt")
         return dataclasses.replace(req, handle=result.handle)
 
     def _advance(
         self,
-        st: _State,
+        st: _Choice,
         inp: GenerationInput,
-        detok: Detokenizer,
-        stops: StopMatcher,
         stop_ids: frozenset[int],
         token_ids: Sequence[int],
         logprobs: Sequence[float | None],
         tops: Sequence[TopLogprobs],
         finish_reason: str | None,
     ) -> Delta:
-        """Account for new tokens; returns the text they release and, if they end it, why."""
+        """Account for a choice's new tokens; returns the text they release and, if they end it, why."""
+        detok, stops = st.detok, st.stops
         text: list[str] = []
         kept_ids: list[int] = []
         kept_lps: list[float | None] = []
@@ -216,16 +265,15 @@ class Generation:
 
     def _sent(self, st: _State, delta: Delta) -> Delta:
         now = time.perf_counter()
+        choice = st.choices[delta.index]
         if st.first_sent is None:
             st.first_sent = now
-        elif st.last_sent is not None:
-            self._metrics.itl.observe(now - st.last_sent)
-        st.last_sent = now
+        if choice.last_sent is not None:
+            self._metrics.itl.observe(now - choice.last_sent)  # the gap within one choice's stream
+        choice.last_sent = st.last_sent = now
         return delta
 
-    def _record_timings(self, t: DecodeTimings | None) -> None:
-        if t is None:
-            return
+    def _record_timings(self, t: DecodeTimings) -> None:
         if not self._backends.disaggregated:
             self._metrics.queue.observe(t.queue_s)
             self._metrics.prefill.observe(t.prefill_s)
@@ -233,6 +281,8 @@ class Generation:
             self._metrics.kv_transfer.observe(t.transfer_s)
 
     def _finish(self, st: _State, inp: GenerationInput) -> None:
+        """Per request: prompt tokens once, every choice's tokens, TPOT over the longest choice (the
+        choices advance together, a token each per step); success counted per choice that finished."""
         m = self._metrics
         if st.first_sent is None:  # refused or failed before token 0: nothing was computed for it
             return
@@ -242,10 +292,12 @@ class Generation:
         ttft = st.first_sent - inp.arrival_mono
         m.ttft.observe(ttft)
         m.e2e.observe(end - inp.arrival_mono)
-        if st.num_tokens > 1:
-            m.tpot.observe((end - st.first_sent) / (st.num_tokens - 1))
-        if st.finish_reason is not None:
-            m.success.labels(finish_reason=st.finish_reason).inc()
+        longest = max(c.num_tokens for c in st.choices)
+        if longest > 1:
+            m.tpot.observe((end - st.first_sent) / (longest - 1))
+        for c in st.choices:
+            if c.finish_reason is not None:
+                m.success.labels(finish_reason=c.finish_reason).inc()
 
 
 def _with_prompt_logprobs(delta: Delta, inp: GenerationInput, scores: PromptLogprobs | None) -> Delta:

@@ -4,19 +4,24 @@ Owns: `Formatter` and its two kinds, `CompletionFormatter` and `ChatFormatter`, 
 framing (`sse`, `DONE`).
 
 Invariants: one formatter per request; every chunk of a request has the same ``id``, ``created``
-and ``model``; a chat stream's first chunk carries ``role: "assistant"``; the usage chunk (only
-with ``stream_options.include_usage``) comes last, after the chunk with the finish reason, and has
-``choices: []``; logprobs are the chosen tokens' and, when asked, the most likely alternatives
-(chat: ``top_logprobs`` objects; completions: a ``{token: logprob}`` dict per token, the chosen one
-included); completions' ``echo`` with ``logprobs`` puts the prompt's tokens first (in the first
-chunk), and a request that asks for prompt log-probs gets vLLM's ``prompt_logprobs`` in its
-response (`router.prompt_logprobs`). A chat answer read for tool calls (a `ToolCallStream`) sends the content and
-``tool_calls`` deltas the stream releases, and its finish reason (``tool_calls`` where calls were
-made); its log-probs stay those of every generated token.
+and ``model``; a chunk carries one choice, with its ``index`` (``n > 1``: the choices' chunks
+interleave, as OpenAI's do); a response lists its ``n`` choices in index order; usage counts the
+prompt once and every choice's tokens; a chat stream's first chunk of each choice carries
+``role: "assistant"``; the usage chunk (only with ``stream_options.include_usage``) comes last,
+after the chunks with the finish reasons, and has ``choices: []``; logprobs are the chosen tokens'
+and, when asked, the most likely alternatives (chat: ``top_logprobs`` objects; completions: a
+``{token: logprob}`` dict per token, the chosen one included); completions' ``echo`` puts the
+prompt's text (with ``logprobs``: its tokens) first in each choice's first chunk, and a request
+that asks for prompt log-probs gets vLLM's ``prompt_logprobs`` in its response (each choice of a
+completion, the response of a chat; `router.prompt_logprobs`). A chat answer read for tool calls
+(a `ToolCallStream`, one per choice) sends the content and ``tool_calls`` deltas the stream
+releases, and its finish reason (``tool_calls`` where calls were made); its log-probs stay those
+of every generated token.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,6 +64,21 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 
 
 @dataclass
+class ChoiceText:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    token_tops: list[TopLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    offset: int = 0  # completions: text offset of the next chunk's first token
+    started: bool = False  # its first chunk went out (chat: the role; completions: the echo)
+    tools: ToolCallStream | None = None  # chat, read for tool calls: this choice's stream
+    released: tuple[str, list[DeltaToolCall]] = ("", [])  # what its last delta released, read for calls
+
+
+@dataclass
 class Formatter:
     model: str
     codec: TextCodec
@@ -66,32 +86,36 @@ class Formatter:
     logprobs: bool
     include_usage: bool = False
     created: int = field(default_factory=now)
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # every choice's
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (the prefill replica's count)
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    token_logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: int = 0  # alternatives per token the request asked for (with logprobs)
-    token_tops: list[TopLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
     id: str = ""
     echo: str = ""  # completions' ``echo``: the prompt's text, sent before the completion's (first chunk)
     echo_logprobs: bool = False  # completions' ``echo`` with ``logprobs``: the prompt's tokens come first
     prompt_ids: tuple[int, ...] = ()  # with prompt log-probs asked: the prompt they score
     prompt_scores: PromptLogprobs | None = None  # the prompt's log-probs, from token 0's delta
+    n: int = 1  # choices
+    choices: dict[int, ChoiceText] = field(default_factory=dict)
 
     def __post_init__(self) -> None:  # declared here so the dataclass __init__ calls the subclasses' own
         pass
 
-    def add(self, delta: Delta) -> None:
+    def add(self, delta: Delta) -> ChoiceText:
+        """Account for a delta; returns its choice."""
         self.completion_tokens += len(delta.token_ids)
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
-        self.text.append(delta.text)
-        self.token_ids.extend(delta.token_ids)
-        self.token_logprobs.extend(delta.logprobs)
-        self.token_tops.extend(delta.top_logprobs or [()] * len(delta.token_ids))
-        self.finish_reason = delta.finish_reason or self.finish_reason
+        c = self.choices.setdefault(delta.index, ChoiceText())
+        c.text.append(delta.text)
+        c.token_ids.extend(delta.token_ids)
+        c.token_logprobs.extend(delta.logprobs)
+        c.token_tops.extend(delta.top_logprobs or [()] * len(delta.token_ids))
+        c.finish_reason = delta.finish_reason or c.finish_reason
         self.prompt_scores = delta.prompt_logprobs or self.prompt_scores
+        return c
+
+    def ordered(self) -> list[tuple[int, ChoiceText]]:
+        """Every choice, in index order (one that produced nothing, as empty)."""
+        return [(i, self.choices.get(i, ChoiceText())) for i in range(self.n)]
 
     def vllm_prompt_logprobs(self) -> PromptLogprobsList | None:
         """vLLM's ``prompt_logprobs`` of the response, when the request asked for them."""
@@ -116,8 +140,6 @@ class Formatter:
 class CompletionFormatter(Formatter):
     def __post_init__(self) -> None:
         self.id = self.id or new_id("cmpl")
-        self._offset = 0
-        self._echoed_text = False
 
     def _echoed(self) -> tuple[list[int], list[float | None], list[TopLogprobs | None]]:
         """The echoed prompt's tokens, log-probs and alternatives (``echo`` with ``logprobs``), else none."""
@@ -148,14 +170,14 @@ class CompletionFormatter(Formatter):
         return out
 
     def chunk(self, delta: Delta) -> BaseModel:
-        self.add(delta)
-        ids, lps, tops = self._echoed() if not self._echoed_text else ([], [], [])  # the prompt's first
+        c = self.add(delta)
+        ids, lps, tops = self._echoed() if not c.started else ([], [], [])  # the prompt's first
         lp = self._logprobs([*ids, *delta.token_ids], [*lps, *delta.logprobs],
-                            [*tops, *(delta.top_logprobs or [()] * len(delta.token_ids))], self._offset)
-        self._offset += len(delta.text) + sum(len(self.codec.token_text(t)) for t in ids)
-        text = delta.text if self._echoed_text else self.echo + delta.text
-        self._echoed_text = True
-        choice = CompletionChoice(text=text, logprobs=lp, finish_reason=delta.finish_reason)
+                            [*tops, *(delta.top_logprobs or [()] * len(delta.token_ids))], c.offset)
+        c.offset += len(delta.text) + sum(len(self.codec.token_text(t)) for t in ids)
+        text = delta.text if c.started else self.echo + delta.text
+        c.started = True
+        choice = CompletionChoice(index=delta.index, text=text, logprobs=lp, finish_reason=delta.finish_reason)
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def usage_chunk(self) -> BaseModel:
@@ -164,26 +186,30 @@ class CompletionFormatter(Formatter):
 
     def response(self) -> BaseModel:
         ids, lps, tops = self._echoed()
-        logprobs = self._logprobs([*ids, *self.token_ids], [*lps, *self.token_logprobs], [*tops, *self.token_tops], 0)
-        choice = CompletionChoice(text=self.echo + "".join(self.text), finish_reason=self.finish_reason,
-                                  logprobs=logprobs, prompt_logprobs=self.vllm_prompt_logprobs())
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
+        choices = [CompletionChoice(index=i, text=self.echo + "".join(c.text), finish_reason=c.finish_reason,
+                                    logprobs=self._logprobs([*ids, *c.token_ids], [*lps, *c.token_logprobs],
+                                                            [*tops, *c.token_tops], 0),
+                                    prompt_logprobs=self.vllm_prompt_logprobs())
+                   for i, c in self.ordered()]
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                   usage=self.usage)
 
 
 @dataclass
 class ChatFormatter(Formatter):
-    tools: ToolCallStream | None = None  # the answer's text read for tool calls (`router.tool_stream`)
+    tools: ToolCallStream | None = None  # the answer's text read for tool calls (`router.tool_stream`):
+    # a fresh stream, copied for each choice
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id("chatcmpl")
-        self._sent_role = False
-        self._released: tuple[str, list[DeltaToolCall]] = ("", [])  # the last delta's, read for calls
 
-    def add(self, delta: Delta) -> None:
-        super().add(delta)
+    def add(self, delta: Delta) -> ChoiceText:
+        c = super().add(delta)
         if self.tools is not None:
-            self._released = self.tools.push(delta.text, final=delta.finish_reason is not None)
+            if c.tools is None:
+                c.tools = copy.deepcopy(self.tools)  # a fresh stream for each choice
+            c.released = c.tools.push(delta.text, final=delta.finish_reason is not None)
+        return c
 
     def _logprobs(self, ids: Sequence[int], lps: Sequence[float | None],
                   tops: Sequence[TopLogprobs]) -> ChatLogprobs | None:
@@ -202,31 +228,34 @@ class ChatFormatter(Formatter):
         return TopLogprob(token=tok, logprob=logprob, bytes=list(tok.encode()))
 
     def chunk(self, delta: Delta) -> BaseModel:
-        self.add(delta)
-        first = not self._sent_role
-        self._sent_role = True
-        text, calls = (delta.text, []) if self.tools is None else self._released
+        c = self.add(delta)
+        first = not c.started
+        c.started = True
+        text, calls = (delta.text, []) if c.tools is None else c.released
         message = ChatDelta(role="assistant" if first else None, content=text if text or not calls else None,
                             tool_calls=calls or None)
-        choice = ChatStreamChoice(delta=message,
+        choice = ChatStreamChoice(index=delta.index, delta=message,
                                   logprobs=self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs),
-                                  finish_reason=self._finish_reason(delta.finish_reason))
+                                  finish_reason=self._finish_reason(c, delta.finish_reason))
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def usage_chunk(self) -> BaseModel:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                    usage=self.usage)
 
-    def _finish_reason(self, reason: str | None) -> str | None:
-        return reason if reason is None or self.tools is None else self.tools.finish_reason(reason)
+    @staticmethod
+    def _finish_reason(c: ChoiceText, reason: str | None) -> str | None:
+        return reason if reason is None or c.tools is None else c.tools.finish_reason(reason)
 
     def response(self) -> BaseModel:
-        if self.tools is None:
-            message = AssistantMessage(content="".join(self.text))
-        else:
-            message = AssistantMessage(content=self.tools.content, tool_calls=self.tools.calls or None)
-        choice = ChatChoice(message=message,
-                            logprobs=self._logprobs(self.token_ids, self.token_logprobs, self.token_tops),
-                            finish_reason=self._finish_reason(self.finish_reason))
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
+        choices = []
+        for i, c in self.ordered():
+            if c.tools is None:
+                message = AssistantMessage(content="".join(c.text))
+            else:
+                message = AssistantMessage(content=c.tools.content, tool_calls=c.tools.calls or None)
+            choices.append(ChatChoice(index=i, message=message,
+                                      logprobs=self._logprobs(c.token_ids, c.token_logprobs, c.token_tops),
+                                      finish_reason=self._finish_reason(c, c.finish_reason)))
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage, prompt_logprobs=self.vllm_prompt_logprobs())

@@ -60,6 +60,13 @@ def request_tokens(pending_request: PendingRequest | None) -> Sequence[int] | No
     return None
 
 
+def request_weight(pending_request: PendingRequest, tokens: Sequence[int]) -> int:
+    """The tokens a call books on its replica: the prompt once per sequence it runs (a decode call of
+    ``n`` choices runs ``n``, as the decode replica's own load report counts them)."""
+    first = pending_request.args[0]
+    return len(tokens) * (len(first.choice_list()) if isinstance(first, DecodeRequest) else 1)
+
+
 class LoadAwareRequestRouter(RequestRouter):
     """Routes by `router.policy` over replica load reports (see the module docstring)."""
 
@@ -96,7 +103,8 @@ class LoadAwareRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         first = choose(self._policy, tokens, reports, self._params)
         if tokens is not None and pending_request is not None:
-            self._book(pending_request.metadata.internal_request_id, first, len(tokens), tentative=True)
+            self._book(pending_request.metadata.internal_request_id, first, request_weight(pending_request, tokens),
+                       tentative=True)
         return [[by_id[rid] for rid in rank] for rank in rank_replicas(first, reports)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
@@ -105,7 +113,7 @@ class LoadAwareRequestRouter(RequestRouter):
             return
         iid = pending_request.metadata.internal_request_id
         self._unbook(iid)
-        self._book(iid, replica_id.unique_id, len(tokens), tentative=False)
+        self._book(iid, replica_id.unique_id, request_weight(pending_request, tokens), tentative=False)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._unbook(internal_request_id)

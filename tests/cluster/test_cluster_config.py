@@ -33,6 +33,12 @@ def test_local_yaml() -> None:
     assert cfg.total_cpus() <= 2
 
 
+def test_n_is_bounded_by_what_a_decode_replica_runs_at_once() -> None:
+    assert ClusterConfig.from_args({}, NO_ENV).router_config().max_choices == 16
+    small = ClusterConfig.from_args({"decode": {"max_num_seqs": 4}}, NO_ENV)
+    assert small.router_config().max_choices == 4
+
+
 def test_dtype_auto_resolves_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """``auto`` is bf16 where the CPU computes in it, fp32 where bf16 would be emulated, bf16 on CUDA;
     an EngineConfig never keeps the word itself, and a misspelt dtype names the accepted ones."""

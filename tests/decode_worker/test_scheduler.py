@@ -11,6 +11,7 @@ import pytest
 from decode_worker.scheduler import DecodeScheduler, SchedulerConfig, SeqState, SeqStatus
 from engine.block_pool import BlockPool
 from engine.errors import ContextLengthError
+from tests.support.scheduler_kv import FakeKV, step
 
 BS = 4
 
@@ -29,13 +30,6 @@ def start(sched: DecodeScheduler, *specs: tuple[str, int]) -> list[SeqState]:
         sched.on_transfer_done(s.request_id)
     return seqs
 
-
-def step(sched: DecodeScheduler) -> list[str]:
-    out = sched.schedule()
-    sched.check_integrity()
-    for s in out.decode:
-        sched.on_token(s.request_id)
-    return [s.request_id for s in out.decode]
 
 
 def test_admission_by_free_blocks_and_watermark() -> None:
@@ -220,7 +214,6 @@ def test_finish_from_every_state_frees_everything() -> None:
     assert pool.num_free_blocks == 5 and not sched.has_work() and sched.num_swap_blocks_used == 0
 
 
-Row = tuple[str, int] | None
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -232,8 +225,7 @@ def test_random_simulation_everyone_finishes_with_correct_kv(seed: int) -> None:
     cfg = SchedulerConfig(max_num_seqs=rng.randint(1, 8), watermark_blocks=wm, max_swap_blocks=swap)
     pool = BlockPool(num_blocks, BS, enable_prefix_cache=False)
     sched = DecodeScheduler(cfg, pool)
-    kv: list[Row] = [None] * (num_blocks * BS)
-    host: dict[str, list[list[Row]]] = {}
+    kv = FakeKV(num_blocks, BS)
     pending: dict[str, int] = {}  # transfers in flight: steps left
     max_new = min(40, (num_blocks - wm) * BS - 2)
     max_prompt = (num_blocks - wm) * BS - max_new - 1  # so any sequence fits the pool alone
@@ -242,12 +234,9 @@ def test_random_simulation_everyone_finishes_with_correct_kv(seed: int) -> None:
     done: set[str] = set()
     abort_rate = rng.choice([0.0, 0.03])  # without aborts, only the scheduler can unblock itself
 
-    def write(seq: SeqState, pos: int) -> None:
-        kv[seq.block_ids[pos // BS] * BS + pos % BS] = (seq.request_id, pos)
-
     def end(rid: str) -> None:
         pending.pop(rid, None)  # the worker cancels a transfer before it aborts
-        host.pop(rid, None)
+        kv.host.pop(rid, None)
         sched.finish(rid)
         done.add(rid)
 
@@ -262,11 +251,7 @@ def test_random_simulation_everyone_finishes_with_correct_kv(seed: int) -> None:
         assert out.failed == [] or swap == num_blocks  # only a too small swap space ends sequences
         for seq in out.failed:
             end(seq.request_id)
-        for seq, ids in out.swap_out:  # (a) before anything writes
-            host[seq.request_id] = [kv[b * BS : (b + 1) * BS] for b in ids]
-        for seq, ids in out.swap_in:  # (b)
-            for b, data in zip(ids, host.pop(seq.request_id), strict=True):
-                kv[b * BS : (b + 1) * BS] = data
+        kv.swaps(out)  # (a), (b)
         for seq in out.admitted:  # (c) started now, lands some steps later
             pending[seq.request_id] = rng.randint(0, 3)
         for rid in list(pending):
@@ -281,12 +266,11 @@ def test_random_simulation_everyone_finishes_with_correct_kv(seed: int) -> None:
             landed = sched.get(rid)
             assert landed is not None
             for p in range(landed.num_tokens):
-                write(landed, p)
+                kv.write(landed, p)
             sched.on_transfer_done(rid)
         for seq in out.decode:  # (d) every row read back is this sequence's own
-            got = [kv[seq.block_ids[p // BS] * BS + p % BS] for p in range(seq.num_tokens)]
-            assert got == [(seq.request_id, p) for p in range(seq.num_tokens)]
-            write(seq, seq.num_tokens)
+            assert kv.read(seq) == [(seq.request_id, p) for p in range(seq.num_tokens)]
+            kv.write(seq, seq.num_tokens)
             sched.on_token(seq.request_id)
             todo[seq.request_id] -= 1
             if todo[seq.request_id] == 0:
@@ -295,4 +279,4 @@ def test_random_simulation_everyone_finishes_with_correct_kv(seed: int) -> None:
             break
     else:
         pytest.fail(f"stuck: {sched.num_waiting=} {sched.num_transferring=} {sched.num_running=} {sched.num_swapped=}")
-    assert pool.num_free_blocks == num_blocks and not sched.has_work() and not host
+    assert pool.num_free_blocks == num_blocks and not sched.has_work() and not kv.host

@@ -235,6 +235,59 @@ def test_penalties_and_top_logprobs_over_http_equal_reference(cluster: str, orac
     assert all(t.top_logprobs[0].logprob >= t.logprob for t in content)
 
 
+@pytest.mark.parametrize("app", ["pd", "colo"])
+def test_n_choices_share_one_prompt(cluster: str, oracle, app: str) -> None:
+    """n greedy choices are the reference text each; n seeded choices are reproducible and choice 0
+    is the n = 1 text of the same seed; streamed chunks carry indices 0..n-1; usage sums the choices."""
+    c = client(cluster, app)
+    messages = CHATS[0]
+    want, n_prompt, n_out = reference_text(oracle, messages, 16)
+    greedy = c.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=16, temperature=0, n=3)
+    assert [ch.index for ch in greedy.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in greedy.choices] == [want] * 3
+    assert greedy.usage is not None and (greedy.usage.prompt_tokens, greedy.usage.completion_tokens) == (n_prompt,
+                                                                                                       3 * n_out)
+    kw: dict[str, Any] = dict(model=DEFAULT_MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=11,
+                              logprobs=0)
+    a, b = (c.completions.create(**kw, n=2) for _ in range(2))
+    one = c.completions.create(**kw)
+    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
+    assert a.choices[0].text == one.choices[0].text and a.choices[1].text != a.choices[0].text
+    stream = c.completions.create(**kw, n=2, stream=True, stream_options={"include_usage": True})
+    parts: dict[int, list[str]] = {0: [], 1: []}
+    usage = None
+    for chunk in stream:
+        for ch in chunk.choices:
+            parts[ch.index].append(ch.text)
+        usage = chunk.usage or usage
+    assert ["".join(parts[i]) for i in range(2)] == [ch.text for ch in a.choices]
+    assert usage is not None and a.usage is not None and usage.completion_tokens == a.usage.completion_tokens
+    assert a.usage.prompt_tokens == one.usage.prompt_tokens  # type: ignore[union-attr]
+    assert a.usage.completion_tokens == sum(len(ch.logprobs.tokens or ()) for ch in a.choices)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("app", ["pd", "colo"])
+def test_a_client_leaving_n_choices_frees_every_block(cluster: str, app: str) -> None:
+    """A stream of 3 choices closed after a few chunks: the decode replica ends all three long before
+    their 300 tokens and its block books (checked for integrity by ``stats``) hold nothing once idle."""
+    import time
+
+    decode = serve.get_deployment_handle("decode", app_name=app)
+    steps = decode.stats.remote().result(timeout_s=30)["steps"]
+    stream = client(cluster, app).completions.create(
+        model=DEFAULT_MODEL, prompt="Write a long story about a dragon", max_tokens=300, temperature=0.8, n=3,
+        stream=True, extra_body={"ignore_eos": True})
+    seen: set[int] = set()
+    for chunk in stream:
+        seen.update(ch.index for ch in chunk.choices)
+        if len(seen) == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 60
+    while (d := decode.stats.remote().result(timeout_s=30))["kv_blocks_used"] or d["streams"]:
+        assert time.monotonic() < deadline, d
+        time.sleep(0.2)
+    assert d["steps"] - steps < 299  # aborted: the choices did not run to their end
 CITY_SCHEMA = {
     "type": "object",
     "properties": {"city": {"enum": ["Paris", "London", "Berlin", "Rome"]},
@@ -362,7 +415,7 @@ def test_models_and_bad_input(cluster: str) -> None:
 
     models = client(cluster, "pd").models.list()
     assert [m.id for m in models.data] == [DEFAULT_MODEL]
-    r = httpx.post(f"{cluster}/pd/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "x" * 1, "n": 2})
+    r = httpx.post(f"{cluster}/pd/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "x" * 1, "n": 17})
     assert r.status_code == 400 and r.json()["error"]["message"]
     long_prompt = list(range(100, 2200))
     body = {"model": DEFAULT_MODEL, "prompt": long_prompt, "max_tokens": 4}

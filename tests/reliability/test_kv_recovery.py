@@ -18,7 +18,7 @@ from router.backends import Backends
 from router.generation import Generation, GenerationInput, StreamError
 from router.metrics import RouterMetrics
 from tests.support.fake_handles import FakeHandle
-from tests.support.pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_text
+from tests.support.pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_choice_text, expected_text
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -53,9 +53,9 @@ def setup(decode: LosingDecode) -> tuple[Generation, FakeHandle]:
     return Generation(Backends(prefill, FakeHandle(decode), 5.0, 5.0, 1.0), FakeCodec(), RouterMetrics()), prefill
 
 
-def request(prompt: str = "abc", n: int = 8) -> GenerationInput:
+def request(prompt: str = "abc", n: int = 8, choices: int = 1) -> GenerationInput:
     return GenerationInput(request_id="r1", prompt_token_ids=tuple(ord(c) for c in prompt),
-                           sampling=SamplingParams(max_tokens=n, stop_token_ids=(0,)))
+                           sampling=SamplingParams(max_tokens=n, stop_token_ids=(0,)), n=choices)
 
 
 async def test_a_lost_kv_is_prefilled_again_once_and_the_stream_is_whole() -> None:
@@ -81,3 +81,16 @@ async def test_a_loss_after_decode_tokens_is_not_rebuilt() -> None:
     with pytest.raises(StreamError):
         _ = [d async for d in gen.stream(request())]
     assert prefill.calls.count("prefill") == 1
+
+
+async def test_a_lost_kv_of_several_choices_is_rebuilt_once_for_all_of_them() -> None:
+    decode = LosingDecode(losses=1)
+    gen, prefill = setup(decode)
+    deltas = [d async for d in gen.stream(request(choices=3))]
+    for i in range(3):
+        mine = [d for d in deltas if d.index == i]
+        assert "".join(d.text for d in mine) == expected_choice_text("abc", 8, i)
+        assert [d.finish_reason for d in mine].count("length") == 1 and mine[-1].finish_reason == "length"
+    assert prefill.calls.count("prefill") == 2 and len(decode.requests) == 2
+    first, again = decode.requests
+    assert again.choices == first.choices and len(first.choices) == 3 and again.handle != first.handle

@@ -65,6 +65,18 @@ def test_confirmation_moves_the_booking_to_the_replica_that_took_it() -> None:
     assert router.booked_tokens() == {}
 
 
+def test_a_decode_call_of_n_choices_books_the_prompt_per_choice() -> None:
+    from decode_worker.types import DecodeChoice, DecodeRequest
+
+    router, reps = make_router(), [replica("a"), replica("b")]
+    req = DecodeRequest("r0", tuple(range(100)), SamplingParams(),
+                        choices=tuple(DecodeChoice(i) for i in range(3)))
+    call = SimpleNamespace(args=(req,), metadata=SimpleNamespace(internal_request_id="r0"))
+    assert choose(router, reps, call) == "a"
+    router.on_request_routed(call, rid("a"), None)
+    assert router.booked_tokens() == {"a": 300}  # 3 sequences, as the replica's own report counts them
+
+
 def test_a_retried_choice_counts_once() -> None:
     router, reps = make_router(), [replica("a"), replica("b", outstanding=50)]
     req = pending("r0")

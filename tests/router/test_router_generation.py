@@ -14,7 +14,7 @@ from router.errors import APIError
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import RouterMetrics
 from tests.support.fake_handles import FakeHandle
-from tests.support.pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_text
+from tests.support.pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_choice_text, expected_text
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -41,10 +41,11 @@ def setup(prefill: Any = "default", token_timeout_s: float = 5.0) -> tuple[Gener
     return Generation(backends, FakeCodec(), metrics), decode, dh, metrics
 
 
-def inp(prompt: str, max_tokens: int = 8, stops: tuple[str, ...] = (), rid: str = "r1") -> GenerationInput:
+def inp(prompt: str, max_tokens: int = 8, stops: tuple[str, ...] = (), rid: str = "r1", n: int = 1
+        ) -> GenerationInput:
     return GenerationInput(request_id=rid, prompt_token_ids=tuple(ord(c) for c in prompt),
                            sampling=SamplingParams(max_tokens=max_tokens, stop_token_ids=(0,)),
-                           stop_strings=stops)
+                           stop_strings=stops, n=n)
 
 
 async def collect(gen: Generation, i: GenerationInput) -> list[Delta]:
@@ -149,3 +150,45 @@ async def test_stop_strings_wait_for_min_tokens() -> None:
                         stop_strings=("e", "h"))
     deltas = await collect(gen, i)  # "e" is token 2 (too early), "h" token 5
     assert "".join(d.text for d in deltas) == "defg" and deltas[-1].finish_reason == "stop"
+
+
+def by_choice(deltas: list[Delta], n: int) -> list[list[Delta]]:
+    """Each choice's deltas; exactly one carries a finish reason, and it is that choice's last."""
+    out = [[d for d in deltas if d.index == i] for i in range(n)]
+    for mine in out:
+        assert [d.finish_reason is not None for d in mine] == [False] * (len(mine) - 1) + [True]
+    assert {d.index for d in deltas} == set(range(n))
+    return out
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+async def test_choices_each_have_their_text_and_all_tokens_count(colocated: bool) -> None:
+    gen, _, dh, metrics = setup(None if colocated else "default")
+    deltas = await collect(gen, inp("abc", 6, n=3))
+    for i, mine in enumerate(by_choice(deltas, 3)):
+        assert "".join(d.text for d in mine) == expected_choice_text("abc", 6, i)
+    assert len(dh.calls) == 1  # one decode call for every choice
+    assert metrics.registry.get_sample_value("pdserve:generation_tokens_total") == 18
+    assert metrics.registry.get_sample_value("pdserve:prompt_tokens_total") == 3
+    ok = metrics.registry.get_sample_value("pdserve:request_success_total", {"finish_reason": "length"})
+    assert ok == 3
+    gaps = sum(len(mine) - 1 for mine in by_choice(deltas, 3))  # within each choice's stream
+    assert metrics.registry.get_sample_value("pdserve:inter_token_latency_seconds_count") == gaps
+    timed = "request_queue_time_seconds" if colocated else "kv_transfer_time_seconds"
+    assert metrics.registry.get_sample_value(f"pdserve:{timed}_count") == 1  # once per request
+
+
+async def test_a_stop_string_ends_one_choice_and_the_others_go_on() -> None:
+    gen, decode, _, _ = setup()
+    deltas = await collect(gen, inp("abc", 6, stops=("de",), n=3))  # only choice 0 starts "de..."
+    texts = ["".join(d.text for d in mine) for mine in by_choice(deltas, 3)]
+    assert texts == ["", expected_choice_text("abc", 6, 1), expected_choice_text("abc", 6, 2)]
+    assert [mine[-1].finish_reason for mine in by_choice(deltas, 3)] == ["stop", "length", "length"]
+    assert await decode.cancelled() == []  # the decode stream ended by itself: the others ran to the end
+
+
+async def test_choices_ended_by_token_zero_are_not_decoded() -> None:
+    gen, _, dh, _ = setup()
+    deltas = await collect(gen, inp("abc", 1, n=2))
+    assert [(d.index, d.text, d.finish_reason) for d in deltas] == [(0, "d", "length"), (1, "e", "length")]
+    assert dh.calls == []

@@ -132,11 +132,29 @@ def test_exception_mapping() -> None:
     ({"logit_bias": {"x": 1}}, "logit_bias.x.[key]"), ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_p": 1.5}, "min_p"), ({"min_tokens": -1}, "min_tokens"),
+    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": True}, "n"), ({"n": 2.0}, "n"),
 ])
 def test_sampling_fields_are_validated(bad: dict[str, object], param: str) -> None:
     with pytest.raises(ValidationError) as e:
         comp(**bad)
     assert from_validation_errors(e.value.errors()).param == param
+
+
+def test_n_is_one_when_absent_or_null() -> None:
+    assert comp().n == comp(n=None).n == 1 and comp(n=16).n == 16
+
+
+async def test_n_above_the_configured_bound_is_a_400_naming_it() -> None:
+    from types import SimpleNamespace
+
+    from router.app import Router
+    from router.config import RouterConfig
+    from router.errors import APIError
+
+    router = SimpleNamespace(_config=RouterConfig(max_choices=2))
+    with pytest.raises(APIError) as e:
+        await Router.func_or_class._run(router, False, (1, 2), comp(n=3), None, None)  # type: ignore[attr-defined]
+    assert e.value.status == 400 and e.value.param == "n"
 
 
 def test_min_tokens_above_max_tokens_is_refused() -> None:

@@ -27,7 +27,15 @@ from router.app import Router
 from router.config import RouterConfig
 from router.replica_router import serve_router_config, with_routing_stats
 from tests.support import pd_fakes
-from tests.support.pd_fakes import FakeConfig, FakeDecode, FakePrefill, expected_text, fake_codec, successor
+from tests.support.pd_fakes import (
+    FakeConfig,
+    FakeDecode,
+    FakePrefill,
+    expected_choice_text,
+    expected_text,
+    fake_codec,
+    successor,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -107,6 +115,31 @@ def test_chat_streamed_with_usage_and_parts(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 7
 
 
+@pytest.mark.parametrize("app", ["client", "colo"])
+def test_n_choices_in_index_order_streamed_with_their_indices(app: str, request: pytest.FixtureRequest) -> None:
+    c: openai.OpenAI = request.getfixturevalue(app)
+    r = c.completions.create(model=MODEL, prompt="abc", max_tokens=5, n=3, stop=["fg"], echo=True)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    # choice 0 "defgh" stops at "fg"; choice 1 "efghi" too (its own stop); choice 2 "fghij" at once
+    assert [ch.text for ch in r.choices] == ["abcde", "abce", "abc"]
+    assert [ch.finish_reason for ch in r.choices] == ["stop"] * 3
+    assert r.usage is not None and r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 4 + 3 + 2
+    scored = c.completions.create(model=MODEL, prompt="abc", max_tokens=3, n=2, echo=True, logprobs=0)
+    for i, ch in enumerate(scored.choices):  # each choice: the prompt's tokens first, then its own
+        assert ch.logprobs is not None and ch.logprobs.token_logprobs is not None
+        assert ch.logprobs.tokens == ["a", "b", "c", *expected_choice_text("abc", 3, i)]
+        assert ch.logprobs.token_logprobs[0] is None and ch.text == "abc" + expected_choice_text("abc", 3, i)
+    msgs: Any = [{"role": "user", "content": "hi"}]
+    prompt = "<user>hi<assistant>"
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, n=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    for i in range(2):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and [m.finish_reason for m in mine][-1] == "length"
+        assert "".join(m.delta.content or "" for m in mine) == expected_choice_text(prompt, 4, i)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
 def test_stop_strings_never_emitted(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="abc", max_tokens=30, stop=["ghi", "zz"])
     assert r.choices[0].text == "def" and r.choices[0].finish_reason == "stop"
@@ -127,7 +160,7 @@ def test_eos_and_logprobs(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("n", 2), ("response_format", {"type": "regex", "regex": "a+"}), ("tool_choice", "required"),
+    ("n", 17), ("response_format", {"type": "regex", "regex": "a+"}), ("tool_choice", "required"),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nope"}}}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     ("use_beam_search", True), ("top_logprobs", 21),
@@ -257,7 +290,7 @@ def test_bad_input_while_a_stream_is_in_flight(base: str, client: openai.OpenAI)
         _error(http.post(url, json={"model": MODEL, "prompt": "x" * MAX_LEN}, headers=h), 400,
                "context_length_exceeded")
         _error(http.post(url, json={"model": "gpt-9", "prompt": "a"}, headers=h), 404, "model_not_found")
-        _error(http.post(url, json={"model": MODEL, "prompt": "a", "n": 2}, headers=h), 400)
+        _error(http.post(url, json={"model": MODEL, "prompt": "a", "n": 0}, headers=h), 400)
         chat = f"{base}/pd/v1/chat/completions"
         _error(http.post(chat, json={"model": MODEL, "messages": "hi"}, headers=h), 400)
         _error(http.post(chat, json={"model": MODEL, "messages": [{"role": "user", "content": [

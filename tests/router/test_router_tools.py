@@ -326,3 +326,23 @@ def test_required_reads_the_constrained_calls(parallel: bool) -> None:
     got = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
            for c in whole["message"]["tool_calls"]]
     assert got == (calls if parallel else calls[:1])
+
+
+def test_each_choice_reads_its_own_calls() -> None:
+    """n = 2, chunks interleaved: one choice calls a tool, the other answers in text; each choice has
+    its own stream (calls, content, finish reason) in the chunks and in the response."""
+    fmt = ChatFormatter(model="m", codec=FakeCodec(), prompt_tokens=3, logprobs=False, n=2,
+                        tools=ToolCallStream(ToolPlan("auto", parser="hermes")))
+    texts = {0: cut("Checking.\n" + TWO + "\n", 7), 1: cut("Paris is sunny.", 7)}
+    chunks = []
+    for k in range(max(len(t) for t in texts.values())):
+        for i, pieces in texts.items():
+            if k < len(pieces):
+                end = "stop" if k == len(pieces) - 1 else None
+                chunks.append(fmt.chunk(Delta(pieces[k], (65,), (None,), end, index=i)).model_dump())
+    whole = fmt.response().model_dump()["choices"]
+    assert [c["finish_reason"] for c in whole] == ["tool_calls", "stop"]
+    assert [c["function"]["name"] for c in whole[0]["message"]["tool_calls"]] == ["get_weather", "get_time"]
+    assert whole[1]["message"] == {"role": "assistant", "content": "Paris is sunny."}
+    streamed = accumulated(chunks)["choices"]
+    assert [calls_of(c["message"]) for c in streamed] == [calls_of(c["message"]) for c in whole]

@@ -1,10 +1,11 @@
 """Prefill and decode workers in one process over a tiny model, and the reference they must match.
 
 Owns: `make_pd` (a `PrefillWorker` and a `DecodeWorker` joined by an `InProcessImporter`, each with
-its own engine; `PD.run` is one request through both), `make_colocated` (a decode worker that
-prefills too), `reference` (the reference `generate()` every output is compared with),
-`random_prompt`, `workload` (staggered arrivals of random prompts), `collect` (a decode stream's
-tokens, finish reason and error), `run_both_modes` (one batch of requests disaggregated, then
+its own engine; `PD.run` is one request through both, `PD.run_choices` one request of ``n``
+choices), `make_colocated` (a decode worker that prefills too), `reference` (the reference
+`generate()` every output is compared with), `random_prompt`, `workload` (staggered arrivals of
+random prompts), `collect` (a decode stream's tokens, finish reason and error), `collect_choices`
+(the same per choice index), `run_both_modes` (one batch of requests disaggregated, then
 colocated) and `wait_until`. The model and the reference engine are the
 session fixtures ``tiny_path`` / ``ref_engine`` of ``tests/conftest.py``.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import InProcessImporter
-from decode_worker.types import DecodeRequest
+from decode_worker.types import DecodeChoice, DecodeRequest, TokenEvent
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -62,6 +63,40 @@ class PD:
             tokens.extend(ev.token_ids)
             reason = ev.finish_reason or reason
         return tokens, reason
+
+
+    async def run_choices(self, req_id: str, prompt: Sequence[int], params: SamplingParams, n: int
+                          ) -> tuple[dict[int, list[int]], dict[int, str]]:
+        """One prefill of ``n`` choices, then one decode call for those token 0 did not end."""
+        res = await self.prefill.prefill(PrefillRequest(req_id, tuple(prompt), params, n=n))
+        firsts = res.first_tokens()
+        assert len(firsts) == n
+        tokens = {i: [ft.token_id] for i, ft in enumerate(firsts)}
+        reasons = {i: ft.finish_reason for i, ft in enumerate(firsts) if ft.finish_reason is not None}
+        if res.finished:
+            assert res.handle is None and len(reasons) == n
+            return tokens, reasons
+        live = tuple(DecodeChoice(i, ft.token_id) for i, ft in enumerate(firsts) if ft.finish_reason is None)
+        req = DecodeRequest(req_id, tuple(prompt), params, handle=res.handle, choices=live)
+        async for ev in self.decode.generate(req):
+            _add(tokens, reasons, ev)
+        return tokens, reasons
+
+
+def _add(tokens: dict[int, list[int]], reasons: dict[int, str], ev: TokenEvent) -> None:
+    assert ev.index not in reasons, f"choice {ev.index} has an event after its end"
+    tokens.setdefault(ev.index, []).extend(ev.token_ids)
+    if ev.finish_reason is not None:
+        reasons[ev.index] = ev.finish_reason
+
+
+async def collect_choices(worker: DecodeWorker, req: DecodeRequest) -> tuple[dict[int, list[int]], dict[int, str]]:
+    """Each choice's tokens and finish reason, by index, from one decode stream."""
+    tokens: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    async for ev in worker.generate(req):
+        _add(tokens, reasons, ev)
+    return tokens, reasons
 
 
 def workload(seed: int, n: int = 24) -> list[tuple[float, tuple[int, ...], int]]:

@@ -15,6 +15,11 @@ points below 256; id 0 is EOS). Prompts steer the fakes with magic words:
 `FakeToolCodec` is the fake tokenizer with a chat template that renders tools (Hermes-style
 ``<tool_call>`` markers), for the tool-calling tests.
 
+Choices (``n > 1``): choice ``i`` is the same model started ``i`` tokens further on (its token 0 is
+the prompt's successor's ``i``-th successor), so the choices' texts differ and each is known in
+advance (`expected_choice_text`); the decode fake interleaves the choices' events, one token each
+per step.
+
 Decode replicas record every request whose stream was cancelled (`cancelled()`).
 """
 
@@ -32,7 +37,7 @@ from typing import Any
 
 import llguidance
 
-from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent
+from decode_worker.types import DecodeChoice, DecodeRequest, DecodeTimings, TokenEvent
 from engine.errors import QueueFullError
 from engine.grammar import GrammarError, GrammarSpec
 from engine.load_report import LoadReport
@@ -40,7 +45,7 @@ from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling import SamplingDefaults
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
-from prefill_worker.types import PrefillRequest, PrefillResult, PrefillTimings
+from prefill_worker.types import FirstToken, PrefillRequest, PrefillResult, PrefillTimings
 from router.config import RouterConfig
 
 EOS = 0
@@ -80,6 +85,17 @@ def fake_prompt_logprobs(prompt_ids: Sequence[int], k: int | None) -> PromptLogp
 
 def expected_text(prompt: str, n: int) -> str:
     return "".join(chr(t) for t in expected_tokens([ord(c) for c in prompt], n))
+
+
+def shifted(t: int, k: int) -> int:
+    for _ in range(k):
+        t = successor(t)
+    return t
+
+
+def expected_choice_text(prompt: str, n: int, index: int) -> str:
+    """Choice ``index``'s completion of ``n`` tokens."""
+    return "".join(chr(shifted(t, index)) for t in expected_tokens([ord(c) for c in prompt], n))
 
 
 class FakeDetokenizer:
@@ -203,10 +219,13 @@ class FakePrefill:
         handle = None if finished else KVHandle(
             transfer_id=req.request_id, source_host="127.0.0.1", source_port=9,
             n_tokens=len(req.prompt_token_ids), layout=LAYOUT, expires_at=time.time() + 30)
+        reason = "length" if finished else None
+        firsts = [token if said else shifted(token, i) for i in range(req.n)]  # every choice says a script
+        more = tuple(FirstToken(t, LOGPROB, fake_top(t, req.sampling.top_logprobs), reason) for t in firsts[1:])
         return PrefillResult(request_id=req.request_id, token_id=token, logprob=LOGPROB, handle=handle,
-                             finished=finished, finish_reason="length" if finished else None,
+                             finished=finished, finish_reason=reason,
                              timings=PrefillTimings(queue_s=0.001, prefill_s=0.002),
-                             top_logprobs=fake_top(token, req.sampling.top_logprobs),
+                             top_logprobs=fake_top(token, req.sampling.top_logprobs), more_choices=more,
                              prompt_logprobs=fake_prompt_logprobs(req.prompt_token_ids, req.prompt_logprobs))
 
     async def load(self) -> LoadReport:
@@ -225,7 +244,8 @@ class FakeDecode:
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
         text = prompt_text(req.prompt_token_ids)
-        colocated = req.first_token_id is None
+        choices = req.choice_list()
+        colocated = choices[0].first_token_id is None
         if colocated and "QUEUEFULL" in text:
             raise QueueFullError("decode queue full", retry_after_s=3.0)
         m = re.search(r"EOSAT(\d+)", text)
@@ -233,35 +253,45 @@ class FakeDecode:
         delay = 0.03 if "SLOW" in text else 0.001
         said = script(text)
         n_max = req.sampling.max_tokens
-        t = req.prompt_token_ids[-1] if colocated else req.first_token_id
-        assert t is not None
-        produced = 0 if colocated else 1
+        live = {c.index: self._start(req, c) for c in choices}  # index → [last token, tokens produced]
         self._running += 1
         try:
-            while produced < n_max:
+            while live:
                 await asyncio.sleep(delay)
-                if "MIDERR" in text and produced >= 3:
-                    yield TokenEvent(request_id=req.request_id, token_ids=(), finish_reason="error",
-                                     error="fake decode failure")
-                    return
-                produced += 1
-                if said is not None:
-                    t = ord(said[produced - 1]) if produced <= len(said) else EOS
-                else:
-                    t = EOS if eos_at is not None and produced == eos_at else successor(t)
-                finish = "stop" if t == EOS else ("length" if produced == n_max else None)
-                timings = DecodeTimings(queue_s=0.001, transfer_s=0.001, prefill_s=0.002) if finish else None
-                scores = fake_prompt_logprobs(req.prompt_token_ids, req.prompt_logprobs) if produced == 1 else None
-                yield TokenEvent(request_id=req.request_id, token_ids=(t,), logprobs=(LOGPROB,),
-                                 top_logprobs=(fake_top(t, req.sampling.top_logprobs),),
-                                 finish_reason=finish, timings=timings, prompt_logprobs=scores)
-                if finish:
-                    return
+                for index, state in list(live.items()):
+                    t, produced = state
+                    if "MIDERR" in text and produced >= 3:
+                        yield TokenEvent(request_id=req.request_id, token_ids=(), index=index, finish_reason="error",
+                                         error="fake decode failure")
+                        return
+                    produced += 1
+                    if said is not None:  # every choice says the script
+                        t = ord(said[produced - 1]) if produced <= len(said) else EOS
+                    else:
+                        t = EOS if eos_at is not None and produced == eos_at else successor(t)
+                    live[index] = [t, produced]
+                    finish = "stop" if t == EOS else ("length" if produced == n_max else None)
+                    timings = DecodeTimings(queue_s=0.001, transfer_s=0.001, prefill_s=0.002) if finish else None
+                    first = produced == 1 and index == choices[0].index  # colocated token 0 of the first choice
+                    scores = fake_prompt_logprobs(req.prompt_token_ids, req.prompt_logprobs) if first else None
+                    yield TokenEvent(request_id=req.request_id, token_ids=(t,), index=index, logprobs=(LOGPROB,),
+                                     top_logprobs=(fake_top(t, req.sampling.top_logprobs),),
+                                     finish_reason=finish, timings=timings, prompt_logprobs=scores)
+                    if finish:
+                        del live[index]
         except asyncio.CancelledError:
             self._cancelled.append(req.request_id)
             raise
         finally:
             self._running -= 1
+
+    @staticmethod
+    def _start(req: DecodeRequest, c: DecodeChoice) -> list[int]:
+        """A choice's last token and the tokens it has: token 0 from the prefill, or (colocated)
+        the prompt's last token moved on by the choice's shift, and none yet."""
+        if c.first_token_id is None:
+            return [shifted(req.prompt_token_ids[-1], c.index), 0]
+        return [c.first_token_id, 1]
 
     async def cancelled(self) -> list[str]:
         return list(self._cancelled)
