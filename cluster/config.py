@@ -9,10 +9,9 @@ what is allowed), the cross-field rules, the environment variables (read here, o
 
 Invariants: a `ClusterConfig` that constructed is consistent — nccl means every worker asks for a
 GPU and runs on cuda; cuda means GPUs are asked for; colocated mode has no prefill pool (its
-section is ignored); disaggregated pools have one KV dtype (a pool's ``dtype``, else ``engine.dtype``,
-``auto`` resolved for the device and the checkpoint's stored dtype). The KV secret is the configured
-one, else ``PDSERVE_KV_SECRET``, else a random one drawn once per config (so every replica of one app
-shares it). Secrets never print: see `ClusterConfig.redacted`.
+section is ignored); disaggregated pools have one KV dtype (a pool's ``dtype``, else ``engine.dtype``;
+``auto`` for the device and the checkpoint). The KV secret is the configured one, else
+``PDSERVE_KV_SECRET``, else drawn once per config (shared by the app's replicas); `redacted` hides it.
 """
 
 from __future__ import annotations
@@ -309,9 +308,8 @@ class ClusterConfig(_Section):
         d = self.decode
         return DecodeWorkerConfig(model=self.model, engine=self._engine(d), kv=self._kv(), mode=self.mode,
                                   prefill_chunk_size=d.prefill_chunk_size, stream_interval=d.stream_interval,
-                                  watermark_blocks=d.watermark_blocks,
-                                  max_swap_blocks=d.max_swap_blocks, max_queue=d.max_queue,
-                                  token_timeout_s=self.limits.token_timeout_s,
+                                  watermark_blocks=d.watermark_blocks, max_swap_blocks=d.max_swap_blocks,
+                                  max_queue=d.max_queue, token_timeout_s=self.limits.token_timeout_s,
                                   model_cache_dir=self.model_cache_dir)
 
     def router_config(self) -> RouterConfig:
@@ -321,9 +319,9 @@ class ClusterConfig(_Section):
                             public_paths=tuple(self.router.public_paths), max_model_len=lim.max_model_len,
                             max_body_bytes=lim.max_body_bytes, default_max_tokens=lim.default_max_tokens,
                             prefill_timeout_s=lim.prefill_timeout_s, token_timeout_s=lim.token_timeout_s,
-                            ready_timeout_s=lim.ready_timeout_s,
-                            max_inflight_requests=lim.max_inflight_requests or self.decode_capacity_per_router(),
-                            max_choices=min(RouterConfig.max_choices, self.decode.max_num_seqs))
+                            ready_timeout_s=lim.ready_timeout_s, max_choices=min(RouterConfig.max_choices,
+                                                                                 self.decode.max_num_seqs),
+                            max_inflight_requests=lim.max_inflight_requests or self.decode_capacity_per_router())
 
     def decode_capacity_per_router(self) -> int:
         """Requests the decode pool holds (running + queued, at its most replicas), per router replica.
