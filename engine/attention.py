@@ -1,19 +1,17 @@
 """Attention over the paged KV cache, for prefill chunks and batched decode steps.
 
-Owns: writing new K/V rows into cache slots and computing attention against a sequence's cached
-rows. Two decode paths: the reference (`decode_attention`: gather every context slot, SDPA with a
-bool mask) and the fast one (`paged_decode_attention`: the method of `DECODE_METHODS` this machine
-runs fastest, either whole-block copies then batched matmuls, softmax in fp32, or the compiled kernel
-that reads the blocks in place). Prefill uses SDPA (``is_causal`` when a chunk starts at position 0).
-Attention logit soft-capping (``softcap``: scores become ``cap * tanh(scores / cap)`` before the mask,
-Gemma 2) has no SDPA: prefill then runs `explicit_prefill_attention` (explicit scores a block of
-queries at a time), decode the methods that form the scores themselves (`SOFTCAP_METHODS`).
+Owns: writing new K/V rows into cache slots and computing attention against a sequence's cached rows. Two decode
+paths: the reference (`decode_attention`: gather every context slot, SDPA with a bool mask) and the fast one
+(`paged_decode_attention`: the method of `DECODE_METHODS` this machine runs fastest, either whole-block copies then
+batched matmuls, softmax in fp32, or the compiled kernel that reads the blocks in place). Prefill uses SDPA
+(``is_causal`` when a chunk starts at position 0). Attention logit soft-capping (``softcap``: scores become ``cap *
+tanh(scores / cap)`` before the mask, Gemma 2) has no SDPA: prefill then runs `explicit_prefill_attention` (explicit
+scores a block of queries at a time), decode the methods that form the scores themselves (`SOFTCAP_METHODS`).
 
-Invariants: a *slot* is ``block_id * block_size + row``; a query at absolute position ``p`` sees
-exactly the keys at positions ``0..p`` of its own sequence; padding rows of a batched decode step
-are masked out (an additive ``-inf`` bias, or ``False`` in a bool mask), so batching never changes
-a sequence's result beyond float reassociation. Scratch buffers (`Workspace`) are reused across
-layers and steps but never carry information from one call to the next.
+Invariants: a *slot* is ``block_id * block_size + row``; a query at absolute position ``p`` sees exactly the keys at
+positions ``0..p`` of its own sequence; padding rows of a batched decode step are masked out (an additive ``-inf``
+bias, or ``False`` in a bool mask), so batching never changes a sequence's result beyond float reassociation. Scratch
+buffers (`Workspace`) are reused across layers and steps but never carry information from one call to the next.
 """
 
 from __future__ import annotations

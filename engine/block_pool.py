@@ -21,7 +21,7 @@ recorded parent must be the very block matched just before it, and its chain's s
 for. The salt says what besides the tokens a block's KV depends on (`ModelConfig.rope_table_key`: a
 length-dependent RoPE rotates a prompt by its whole length's table), so chains of different salts
 never share a block. Each registration gets a fresh
-serial number, so a parent that was evicted and reused no longer matches. A hash collision costs
+serial number, so a parent that was evicted and reused does not match its old children. A hash collision costs
 a cache miss, never a wrong block. Every operation is O(1) per block named; only
 `check_integrity` and `reset_prefix_cache` scan the pool.
 """
@@ -253,7 +253,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (e.g. after new weights): cached blocks go to the free list, and blocks
-        in use stay in use but are no longer findable. O(num_blocks)."""
+        in use stay in use but cannot be found by hash. O(num_blocks)."""
         for bid in self._by_hash.values():
             self._unregister(self.blocks[bid], keep_map=True)
         self._by_hash.clear()
