@@ -108,16 +108,11 @@ async def test_forks_swapped_under_pressure_still_equal_the_reference(tiny_path,
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     want = reference(ref_engine, prompt, params)
     pd = make_pd(tiny_path, decode_blocks=10)
-    await pd.prefill.start()
-    await pd.decode.start()
-    try:
+    async with pd.running():
         got, reasons = await pd.run_choices("p", prompt, params, n=4)
         assert got == dict.fromkeys(range(4), want) and reasons == dict.fromkeys(range(4), "length")
         assert pd.decode.num_swapped_out > 0
         await books_whole(pd.decode, pd=pd)
-    finally:
-        await pd.decode.stop()
-        await pd.prefill.stop()
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
@@ -160,9 +155,7 @@ async def test_a_lost_kv_ends_every_choice_with_kv_lost(tiny_path) -> None:
     from prefill_worker.types import PrefillRequest
 
     pd = make_pd(tiny_path, lease_s=0.2)
-    await pd.prefill.start()
-    await pd.decode.start()
-    try:
+    async with pd.running():
         prompt = random_prompt(random.Random(6), 50)
         params = SamplingParams(max_tokens=10, ignore_eos=True)
         res = await pd.prefill.prefill(PrefillRequest("k", prompt, params, n=3))
@@ -173,9 +166,6 @@ async def test_a_lost_kv_ends_every_choice_with_kv_lost(tiny_path) -> None:
         assert sorted(ev.index for ev in events) == [0, 1, 2]
         assert all(ev.finish_reason == "error" and ev.error_code == KV_LOST and not ev.token_ids for ev in events)
         await books_whole(pd.decode, pd=pd)
-    finally:
-        await pd.decode.stop()
-        await pd.prefill.stop()
 
 
 async def test_choices_run_beside_other_requests(tiny_path, ref_engine: Engine) -> None:
@@ -184,9 +174,7 @@ async def test_choices_run_beside_other_requests(tiny_path, ref_engine: Engine) 
     rng = random.Random(4)
     jobs = [(random_prompt(rng, rng.randint(5, 70)), rng.randint(1, 3), rng.randint(1, 24)) for _ in range(8)]
     pd = make_pd(tiny_path, decode_blocks=64)
-    await pd.prefill.start()
-    await pd.decode.start()
-    try:
+    async with pd.running():
         outs = await asyncio.gather(*(
             pd.run_choices(f"r{i}", p, SamplingParams(max_tokens=k, ignore_eos=True, temperature=0.8, seed=i), n)
             for i, (p, n, k) in enumerate(jobs)))
@@ -194,9 +182,6 @@ async def test_choices_run_beside_other_requests(tiny_path, ref_engine: Engine) 
             params = SamplingParams(max_tokens=k, ignore_eos=True, temperature=0.8, seed=i)
             assert got == {c: reference(ref_engine, p, choice_params(params, c)) for c in range(n)}
         await books_whole(pd.decode, pd=pd)
-    finally:
-        await pd.decode.stop()
-        await pd.prefill.stop()
 
 
 async def test_choices_under_a_grammar_each_follow_their_own_matcher(tmp_path_factory: pytest.TempPathFactory

@@ -58,15 +58,10 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 async def test_disaggregated_greedy_equals_transformers(family) -> None:
     path, cases = family
     pd = make_pd(path, max_batch_tokens=64, max_chunk_tokens=64)
-    await pd.prefill.start()
-    await pd.decode.start()
-    try:
+    async with pd.running():
         params = SamplingParams(max_tokens=NEW, ignore_eos=True)
         outs = await asyncio.gather(*(pd.run(f"r{i}", p, params) for i, (p, _) in enumerate(cases)))
         assert [tokens for tokens, _ in outs] == [ref for _, ref in cases]
-    finally:
-        await pd.decode.stop()
-        await pd.prefill.stop()
 
 
 async def test_colocated_chunked_greedy_equals_transformers(family) -> None:

@@ -58,9 +58,7 @@ async def test_disaggregated_matches_reference(tiny_path, ref_engine) -> None:
 
 async def test_eos_stop_ids_and_max_tokens(tiny_path, ref_engine) -> None:
     pd = make_pd(tiny_path)
-    await pd.prefill.start()
-    await pd.decode.start()
-    try:
+    async with pd.running():
         prompt = random_prompt(random.Random(5), 40)
         free_run = reference(ref_engine, prompt, SamplingParams(max_tokens=30, ignore_eos=True))
         # A stop id: the stream ends on the first occurrence of a token the free run produces.
@@ -79,9 +77,6 @@ async def test_eos_stop_ids_and_max_tokens(tiny_path, ref_engine) -> None:
         assert tokens == free_run[:1] and reason == "length"
         tokens, reason = await pd.run("s5", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
         assert tokens == free_run[:5] and reason == "length"
-    finally:
-        await pd.decode.stop()
-        await pd.prefill.stop()
 
 
 async def test_prompt_over_context_is_refused(tiny_path) -> None:
@@ -95,9 +90,7 @@ async def test_prompt_over_context_is_refused(tiny_path) -> None:
 
 async def test_abort_mid_stream_frees_blocks(tiny_path) -> None:
     pd = make_pd(tiny_path)
-    await pd.prefill.start()
-    await pd.decode.start()
-    try:
+    async with pd.running():
         prompt = random_prompt(random.Random(9), 100)
         params = SamplingParams(max_tokens=60, ignore_eos=True)
         res = await pd.prefill.prefill(PrefillRequest("a1", prompt, params))
@@ -112,9 +105,6 @@ async def test_abort_mid_stream_frees_blocks(tiny_path) -> None:
         await wait_until(pd.decode.is_idle, timeout=2)
         assert pool.num_free_blocks == pool.num_blocks
         pool.check_integrity()
-    finally:
-        await pd.decode.stop()
-        await pd.prefill.stop()
 
 
 async def test_full_decode_pool_waits_and_swap_preserves_output(tiny_path, ref_engine) -> None:
@@ -139,9 +129,7 @@ async def test_full_decode_pool_waits_and_swap_preserves_output(tiny_path, ref_e
 
 async def test_expired_lease_frees_outbox_and_import_fails(tiny_path) -> None:
     pd = make_pd(tiny_path, lease_s=0.2)
-    await pd.prefill.start()
-    await pd.decode.start()
-    try:
+    async with pd.running():
         prompt = random_prompt(random.Random(3), 50)
         params = SamplingParams(max_tokens=10, ignore_eos=True)
         res = await pd.prefill.prefill(PrefillRequest("e1", prompt, params))
@@ -159,9 +147,6 @@ async def test_expired_lease_frees_outbox_and_import_fails(tiny_path) -> None:
             await pd.decode.importer.pull(bogus, pd.decode.engine.cache, [0])
         await wait_until(pd.decode.is_idle, timeout=2)
         assert pd.decode.engine.pool.num_free_blocks == pd.decode.engine.pool.num_blocks
-    finally:
-        await pd.decode.stop()
-        await pd.prefill.stop()
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])

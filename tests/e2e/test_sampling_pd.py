@@ -60,13 +60,8 @@ async def test_min_tokens_holds_back_a_stop_token(tiny_path: Path, ref_engine: E
     first = free_run.index(stop)
     params = SamplingParams(max_tokens=30, stop_token_ids=(stop,), min_tokens=first + 4)
     pd = make_pd(tiny_path)
-    await pd.prefill.start()
-    await pd.decode.start()
-    try:
+    async with pd.running():
         tokens, _ = await pd.run("m1", prompt, params)
-    finally:
-        await pd.decode.stop()
-        await pd.prefill.stop()
     assert tokens == reference(ref_engine, prompt, params)
     assert stop not in tokens[: first + 4] and len(tokens) > first + 4
 
@@ -95,13 +90,8 @@ async def test_logprobs_are_transformers_log_softmax(tiny_path: Path, mode: str)
                             logprobs=True, top_logprobs=5)
     if mode == "disaggregated":
         pd = make_pd(tiny_path)
-        await pd.prefill.start()
-        await pd.decode.start()
-        try:
+        async with pd.running():
             tokens, lps, tops = await _with_logprobs(pd, "l1", prompt, params)
-        finally:
-            await pd.decode.stop()
-            await pd.prefill.stop()
     else:
         colo = make_colocated(tiny_path, chunk=0)
         await colo.start()

@@ -1,8 +1,9 @@
 """Prefill and decode workers in one process over a tiny model, and the reference they must match.
 
 Owns: `make_pd` (a `PrefillWorker` and a `DecodeWorker` joined by an `InProcessImporter`, each with
-its own engine; `PD.run` is one request through both, `PD.run_choices` one request of ``n``
-choices), `make_colocated` (a decode worker that prefills too), `reference` (the reference
+its own engine; `PD.running` starts both and stops them after, `PD.run` is one request through
+both, `PD.run_choices` one request of ``n`` choices), `make_colocated` (a decode worker that
+prefills too), `reference` (the reference
 `generate()` every output is compared with), `random_prompt`, `workload` (staggered arrivals of
 random prompts), `collect` (a decode stream's tokens, finish reason and error), `collect_choices`
 (the same per choice index), `run_both_modes` (one batch of requests disaggregated, then
@@ -13,8 +14,9 @@ session fixtures ``tiny_path`` / ``ref_engine`` of ``tests/conftest.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +51,17 @@ class PD:
     prefill: PrefillWorker
     decode: DecodeWorker
     outbox: Outbox
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[PD]:
+        """Both workers started for the block, stopped after it (decode first), whatever it raises."""
+        await self.prefill.start()
+        await self.decode.start()
+        try:
+            yield self
+        finally:
+            await self.decode.stop()
+            await self.prefill.stop()
 
     async def run(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], str]:
         res = await self.prefill.prefill(PrefillRequest(req_id, tuple(prompt), params))
