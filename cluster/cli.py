@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cluster.config import ClusterConfig, Environment
 from cluster.serve_yaml import ConfigError, application_entry
-from engine.bundled import DEFAULT_MODEL
+from engine.loading.bundled import DEFAULT_MODEL
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,7 +60,7 @@ def _serve(path: str, host: str, port: int) -> int:
 
 
 def _prepare(model: str, cache_dir: str | None) -> int:
-    from engine.bundled import prepare_model
+    from engine.loading.bundled import prepare_model
 
     cache = cache_dir or Environment.read().model_cache
     print(f"preparing {model} ...", file=sys.stderr, flush=True)

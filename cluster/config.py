@@ -37,9 +37,9 @@ from cluster.placement import (
 )
 from cluster.serve_yaml import ConfigError, application_args
 from decode_worker.config import DecodeWorkerConfig
-from engine.bundled import DEFAULT_MODEL, stored_dtype
 from engine.config import AUTO_DTYPE, EngineConfig, auto_dtype, parse_dtype
-from engine.hub import is_hub_id
+from engine.loading.bundled import DEFAULT_MODEL, stored_dtype
+from engine.loading.hub import is_hub_id
 from kv_transfer.config import KVTransferConfig, Transport
 from prefill_worker.config import PrefillWorkerConfig
 from router.config import RouterConfig

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.stream import Stream
 from decode_worker.types import DecodeRequest, TokenEvent, merge_events
-from engine.choices import choice_params
-from engine.grammar import GrammarVocab
 from engine.kv_cache import KVCache
-from engine.sampling import SamplerState
+from engine.sampling.choices import choice_params
+from engine.sampling.grammar import GrammarVocab
+from engine.sampling.sampler import SamplerState
 
 
 @dataclass(eq=False)
@@ -40,7 +40,7 @@ class ChoiceGroup:
 
     @classmethod
     def new(cls, req: DecodeRequest, eos_ids: Sequence[int], vocab: GrammarVocab | None = None) -> ChoiceGroup:
-        """A stream per choice, each sampler with its choice's seed (`engine.choices`) and grammar
+        """A stream per choice, each sampler with its choice's seed (`engine.sampling.choices`) and grammar
         matcher (``vocab``: the grammar's, when the request has one) and, when the prefill sampled
         it, token 0 as its next token to feed."""
         ready = asyncio.Event()

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from decode_worker.scheduler import SchedulerConfig
-from engine.bundled import DEFAULT_MODEL
 from engine.config import EngineConfig
+from engine.loading.bundled import DEFAULT_MODEL
 from kv_transfer.config import KVTransferConfig
 
 

@@ -15,14 +15,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent, merge_events
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampling import SamplerState, TopLogprobs
+from engine.sampling.prompt_logprobs import PromptLogprobs
+from engine.sampling.sampler import SamplerState, TopLogprobs
 
 
 @dataclass(eq=False)
 class Stream:
     req: DecodeRequest
-    sampler: SamplerState  # with this choice's seed (`engine.choices`)
+    sampler: SamplerState  # with this choice's seed (`engine.sampling.choices`)
     index: int = 0  # the choice
     seq_id: str = ""  # its sequence in the scheduler (the request id for a lone choice 0)
     pending: deque[TokenEvent] = field(default_factory=deque)

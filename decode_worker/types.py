@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampling import SamplingParams, TopLogprobs
+from engine.sampling.prompt_logprobs import PromptLogprobs
+from engine.sampling.sampler import SamplingParams, TopLogprobs
 from kv_transfer.handle import KVHandle
 
 
 @dataclass(frozen=True)
 class DecodeChoice:
     """One choice of a request to decode: its index among the request's ``n`` (which picks its seed,
-    `engine.choices`) and, disaggregated, its token 0 from the prefill (colocated: None)."""
+    `engine.sampling.choices`) and, disaggregated, its token 0 from the prefill (colocated: None)."""
 
     index: int
     first_token_id: int | None = None

@@ -47,12 +47,12 @@ from decode_worker.stream import Stream
 from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent
 from engine.engine import Engine
 from engine.errors import QueueFullError
-from engine.grammar import GrammarVocab, load_grammar
 from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens
-from engine.prompt_logprobs import PromptLogprobs, ScoreAsk, check_prompt_logprobs, chunk_ask
 from engine.runner import DecodeSeq, PrefillChunk
-from engine.sampling import TopLogprobs, sample
+from engine.sampling.grammar import GrammarVocab, load_grammar
+from engine.sampling.prompt_logprobs import PromptLogprobs, ScoreAsk, check_prompt_logprobs, chunk_ask
+from engine.sampling.sampler import TopLogprobs, sample
 from engine.step_loop import StepLoop
 
 log = logging.getLogger(__name__)

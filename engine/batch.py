@@ -1,7 +1,7 @@
 """The inputs of the model's two forwards, as `engine.runner` builds them from per-sequence descriptions.
 
 Owns: `PrefillBatch` (several prefill chunks, flattened) and `DecodeBatch` (one token per sequence);
-`engine.model` only reads them. Invariant: every tensor of a decode batch is shared by all layers,
+`engine.model.model` only reads them. Invariant: every tensor of a decode batch is shared by all layers,
 so it is built once per step.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import PagedDecodeMeta
+from engine.attention.ops import PagedDecodeMeta
 
 
 @dataclass
@@ -22,7 +22,7 @@ class PrefillBatch:
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] cache slot of each token
     seq_lens: list[int]  # tokens of each chunk; sums to T
-    prompt_lens: list[int]  # the whole prompt's length of each chunk (a length-dependent RoPE's table: `engine.rope`)
+    prompt_lens: list[int]  # the whole prompt's length of each chunk (a length-dependent RoPE's table)
     start_positions: list[int]  # cached tokens before each chunk
     context_blocks: list[torch.Tensor | None]  # per chunk: [ceil((start + len) / bs)] block ids, None if start == 0
     logits_index: torch.Tensor  # [N] rows of T whose logits are wanted

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from engine.attention_choice import DECODE_ATTENTION
 from engine.errors import ModelLoadError
-from engine.families import ACTIVATION_NAMES, FAMILIES, MODEL_TYPES, SUPPORTED_ARCHITECTURES, Family
-from engine.kernel_choice import LINEAR_KERNELS
-from engine.rope_params import LAYER_TYPES, RopeParams, RopeScaling, ropes
+from engine.kernels.attention_choice import DECODE_ATTENTION
+from engine.kernels.kernel_choice import LINEAR_KERNELS
+from engine.model.families import ACTIVATION_NAMES, FAMILIES, MODEL_TYPES, SUPPORTED_ARCHITECTURES, Family
+from engine.model.rope_params import LAYER_TYPES, RopeParams, RopeScaling, ropes
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -96,7 +96,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of one model: its family's layer shape (`features`, `engine.families`) and
+    """The architecture of one model: its family's layer shape (`features`, `engine.model.families`) and
     the sizes and values its config file sets.
 
     ``sliding_window``: the keys a query of a windowed layer sees, itself included (positions
@@ -108,7 +108,7 @@ class ModelConfig:
     the other layers' (``rope_theta``, ``rope_scaling``, ``partial_rotary_factor``; Gemma 3's local base).
     """
 
-    family: str  # a key of `engine.families.FAMILIES`
+    family: str  # a key of `engine.model.families.FAMILIES`
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -192,7 +192,7 @@ class ModelConfig:
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     def native_step_blockers(self) -> list[str]:
-        """What this model computes that the one-call native decode step (`engine.native_step`) does not."""
+        """What this model computes that the one-call native decode step (`engine.kernels.native_step`) does not."""
         f = self.features
         named = {"q/k norms": self.qk_norm, "sliding-window layers": bool(self.window_layers),
                  "offset norms (1 + w)": f.norm_offset, "sandwich norms": f.sandwich_norms,
@@ -314,7 +314,7 @@ def _refuse_unsupported(cfg: dict[str, Any], family: Family, source: str) -> Non
 
 def _windows(cfg: dict[str, Any], family: Family, num_layers: int, source: str) -> tuple[int | None, tuple[int, ...]]:
     """The sliding window and the layers that use it, as transformers reads them: ``layer_types``
-    where the config has it; else by the family's rule (`engine.families.WindowRule`): Mistral and
+    where the config has it; else by the family's rule (`engine.model.families.WindowRule`): Mistral and
     Phi-3 window every layer, Qwen2/Qwen3 (with ``use_sliding_window``) the layers from
     ``max_window_layers`` on, Gemma all but every second (Gemma 2) or ``sliding_window_pattern``-th
     (Gemma 3)."""
@@ -363,7 +363,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cpu_affinity: tuple[int, ...] = ()  # pin this process to these cores (benchmarks on small machines)
-    quantization: str | None = None  # None, or "int8": weight-only int8 linear layers (`engine.quant`)
+    quantization: str | None = None  # None, or "int8": weight-only int8 linear layers (`engine.kernels.quant`)
     fast_kernels: bool = True  # False: the plain reference forward (F.linear, slot gathers), for tests
     linear_kernels: str = "auto"  # "auto" (timed at load), "packed"/"plain" (oneDNN) or "native" (C++ kernel)
     decode_attention: str = "auto"  # "auto" (timed at load), "compiled" (torch.compile) or an eager method

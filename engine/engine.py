@@ -20,15 +20,15 @@ from pathlib import Path
 import torch
 
 from engine.block_pool import BlockPool
-from engine.bundled import default_cache_dir
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ContextLengthError
-from engine.file_lock import file_lock
 from engine.kv_cache import KVCache
-from engine.model import build_model
+from engine.loading.bundled import default_cache_dir
+from engine.loading.file_lock import file_lock
+from engine.loading.weights import load_weights
+from engine.model.model import build_model
 from engine.model_thread import ModelThread
 from engine.runner import ModelRunner
-from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class Engine:
     @classmethod
     def load(cls, model: str, config: EngineConfig, cache_dir: str | Path | None = None) -> Engine:
         """``model``: the bundled name, a ``.gguf`` file or a Hugging Face folder."""
-        from engine.bundled import prepare_model
+        from engine.loading.bundled import prepare_model
 
         folder = prepare_model(model, Path(cache_dir) if cache_dir else None)
         return cls.from_dir(folder, config)

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.engine import Engine
-from engine.grammar import GrammarError, grammar_vocab
 from engine.runner import DecodeSeq, PrefillChunk
-from engine.sampling import SamplerState, SamplingParams, sample
+from engine.sampling.grammar import GrammarError, grammar_vocab
+from engine.sampling.sampler import SamplerState, SamplingParams, sample
 
 
 @dataclass(frozen=True)

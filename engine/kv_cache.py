@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
-from engine.huge_pages import huge_zeros
+from engine.kernels.huge_pages import huge_zeros
 
 
 @dataclass
@@ -37,7 +37,7 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> KVCache:
         shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        # One buffer for every layer's K and V (on huge pages: `engine.huge_pages`), viewed per layer.
+        # One buffer for every layer's K and V (on huge pages: `engine.kernels.huge_pages`), viewed per layer.
         both = huge_zeros((2, model.num_layers, *shape), dtype, device)
         k, v = list(both[0].unbind(0)), list(both[1].unbind(0))
         return cls(k=k, v=v, block_size=block_size)

@@ -1,7 +1,7 @@
 """Turns per-sequence descriptions (tokens, positions, block tables) into model batches.
 
 Owns: the only translation from block tables to cache slots, and the calls into `LlamaModel`
-(a prefill's prompt log-probs included: `prefill_scored`, through `engine.prompt_logprobs`).
+(a prefill's prompt log-probs included: `prefill_scored`, through `engine.sampling.prompt_logprobs`).
 Workers describe *what* to run with `PrefillChunk` / `DecodeSeq`; this module decides *how*.
 
 Invariants: a block table must cover every position it is asked to write (checked, with a clear
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import PagedDecodeMeta
+from engine.attention.ops import PagedDecodeMeta
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.kv_cache import KVCache
-from engine.model import LlamaModel
-from engine.prompt_logprobs import PromptLogprobs, ScoreAsk, score_rows
+from engine.model.model import LlamaModel
+from engine.sampling.prompt_logprobs import PromptLogprobs, ScoreAsk, score_rows
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class ModelRunner:
         self, chunks: Sequence[PrefillChunk], asks: Sequence[ScoreAsk | None]
     ) -> tuple[torch.Tensor, list[PromptLogprobs | None]]:
         """`prefill` (each chunk's last-row logits, the same values), and the prompt log-probs of
-        the chunks whose ask is not None (`engine.prompt_logprobs`); the others pay nothing more."""
+        the chunks whose ask is not None (`engine.sampling.prompt_logprobs`); the others pay nothing more."""
         if len(asks) != len(chunks):
             raise ValueError(f"{len(asks)} asks for {len(chunks)} chunks")
         if all(a is None for a in asks):
@@ -180,7 +180,7 @@ class ModelRunner:
             out[rest] = self.decode([seqs[i] for i in rest])
         return out
 
-    @torch.inference_mode()  # the step's tensors match the model's (guards of `engine.compiled_attention`)
+    @torch.inference_mode()  # the step's tensors match the model's (guards of `engine.kernels.compiled_attention`)
     def _decode_sorted(self, seqs: Sequence[DecodeSeq]) -> tuple[torch.Tensor, list[int]]:
         bs = self.block_size
         needs = [self._check_table(s.block_table, s.position) for s in seqs]

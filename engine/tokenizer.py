@@ -37,8 +37,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import ModelLoadError
-from engine.generation_config import GenerationConfig, read_json_object
-from engine.sampling import SamplingDefaults
+from engine.loading.generation_config import GenerationConfig, read_json_object
+from engine.sampling.sampler import SamplingDefaults
 
 Message = Mapping[str, Any]
 

@@ -30,9 +30,9 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_cache import KVCache
-from engine.model import LlamaModel
+from engine.loading.weights import load_weights
+from engine.model.model import LlamaModel
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
-from engine.weights import load_weights
 from loadtests import machine as mach
 from loadtests.int8_accuracy import int8_accuracy, prompt_ids, text_ids
 

@@ -2,14 +2,14 @@
 
 Writes ``results/sampler.json`` (schema: `loadtests.schemas.SAMPLER_SCHEMA`) and ``results/sampler.png``.
 One process configured like the decode pool of ``deploy/local.yaml`` (bf16 where the CPU computes in it,
-one torch thread): the engine's decode step at batch 8 (context 160) and `engine.sampling.sample` on
+one torch thread): the engine's decode step at batch 8 (context 160) and `engine.sampling.sampler.sample` on
 that step's own logits for 8 rows under each case below, the step and the cases interleaved round by
 round so load hits them alike; medians. Cases: greedy (the plain request), greedy with 5 top log-probs,
 seeded top-p sampling, seeded sampling over the whole vocabulary (temperature 1, OpenAI's defaults),
 unseeded top-k sampling, and every penalty at once (repetition, presence, frequency, a logit bias,
 min-p, min_tokens) over a 160-token prompt and 32 output tokens; then structured outputs under a
 JSON schema (strings, an integer, an array), each row at a different point of one answer (in a key,
-a string, a number, the array): the grammar's mask stage alone (`engine.grammar.mask_logits`, the
+a string, a number, the array): the grammar's mask stage alone (`engine.sampling.grammar.mask_logits`, the
 matchers held where they are) and a whole greedy `sample` under it (the matchers rebuilt, untimed,
 before each call). Issue #27's target: the sampler and the grammar mask at most 10% of the step, and
 plain requests paying nothing measurable for the pipeline's other stages. ``--model`` (a folder with
@@ -32,8 +32,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.grammar import GrammarMatcher, GrammarSpec, compile_grammar, grammar_vocab, mask_logits
-from engine.sampling import SamplerState, SamplingParams, sample
+from engine.sampling.grammar import GrammarMatcher, GrammarSpec, compile_grammar, grammar_vocab, mask_logits
+from engine.sampling.sampler import SamplerState, SamplingParams, sample
 from engine.tokenizer import Tokenizer
 from loadtests import bench_engine as be
 from loadtests.bench_common import MODEL, RESULTS, log, result_doc, write_result

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.native_linear import NativeLinear, native_linear_error
-from engine.quant import Linear, onednn_packing_available
+from engine.kernels.native_linear import NativeLinear, native_linear_error
+from engine.kernels.quant import Linear, onednn_packing_available
 
 
 def median_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
@@ -31,7 +31,7 @@ def median_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> 
 def matmul_peak_gflops(dtype: torch.dtype, n: int = 1536) -> float:
     """The fastest of ``torch.mm``, ``F.linear``, oneDNN's inner product on a prepacked weight (where
     this torch has it) and, for bf16, ``F.linear`` in fp32 after upcasting both operands (the engine's
-    `engine.quant.UpcastLinear`, conversion included) for an ``n``-cube. On a 2-core AVX-512 EPYC
+    `engine.kernels.quant.UpcastLinear`, conversion included) for an ``n``-cube. On a 2-core AVX-512 EPYC
     torch.mm's fp32 BLAS ran at half of oneDNN (99 vs 207 GFLOP/s), so torch.mm alone made the
     engine's prefill look above the peak; on an AVX2 EPYC (no bf16 arithmetic) torch.mm in bf16 ran
     at 0.75 GFLOP/s, F.linear at ~18 and the upcast at ~140."""
@@ -58,7 +58,7 @@ class MatvecProbe:
     it between its own steps: the bandwidth a ratio divides by is then measured under the same load
     as the steps, not minutes before (the hosts are shared and their bandwidth drifts).
 
-    Two kernels read the matrix: ``F.linear`` and the engine's own C++ one (`engine.native_linear`,
+    Two kernels read the matrix: ``F.linear`` and the engine's own C++ one (`engine.kernels.native_linear`,
     where it builds); a call times both and returns the faster, so the floor is the best read of
     this machine we know, not one library's (on a 2-core AVX2 EPYC: 19-22 GB/s for torch, 33 for ours).
     ``last`` keeps each kernel's seconds from the latest call."""

@@ -208,7 +208,7 @@ _ENGINE_RUN: dict[str, Any] = {
     "properties": {
         "dtype": {"type": "string"},
         "linear_kernels": {"type": "array", "description": "the kernel each class of linears got "
-                           "at load (engine.kernel_choice), with the timings behind it", "items": {
+                           "at load (engine.kernels.kernel_choice), with the timings behind it", "items": {
             "type": "object", "required": ["name", "out_features", "in_features", "count", "format", "ms_per_pass"],
             "properties": {"name": {"type": "string"},
                            "format": {"enum": ["packed", "plain", "upcast", "int8", "native"]},
@@ -218,7 +218,7 @@ _ENGINE_RUN: dict[str, Any] = {
                            "wraps": {"type": "string", "description": "native: the format of the kernel it "
                                      "wraps (packed: the plain weight is kept beside it)"}}}},
         "decode_attention": {"type": "object", "description": "the decode attention method timed at "
-                             "load (engine.attention_choice)", "required": ["method", "ms"], "properties": {
+                             "load (engine.kernels.attention_choice)", "required": ["method", "ms"], "properties": {
             "method": {"enum": ["sdpa", "per_head", "block_diagonal", "compiled", "native"]},
             "small_method": {"enum": ["sdpa", "per_head", "block_diagonal", "compiled", "native", None],
                              "description": "the method of steps of at most split_rows rows, if another"},

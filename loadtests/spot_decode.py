@@ -12,9 +12,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model import LlamaModel
+from engine.loading.weights import load_weights
+from engine.model.model import LlamaModel
 from engine.runner import ModelRunner
-from engine.weights import load_weights
 from loadtests import bench_engine as be
 from loadtests import machine as mach
 

@@ -82,8 +82,8 @@ class VllmPeer:
 
     @classmethod
     def prepare(cls, venv: Path = VENV) -> VllmPeer:
-        from engine.bundled import prepare_model
         from engine.config import fast_dtype
+        from engine.loading.bundled import prepare_model
 
         if sys.platform != "linux" or sysconfig.get_platform() != "linux-x86_64":
             raise PeerUnavailable("vLLM's CPU wheel is built for x86-64 Linux")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.bundled import DEFAULT_MODEL
 from engine.config import EngineConfig
+from engine.loading.bundled import DEFAULT_MODEL
 from kv_transfer.config import KVTransferConfig
 
 

@@ -3,7 +3,7 @@
 Invariants: every field is a plain typed value (these travel through Ray as pickles); a result with
 ``finished=True`` carries no handle (every choice ended at token 0: nothing to decode, the blocks
 are already freed); a result for ``n`` choices carries ``n`` first tokens (`PrefillResult.first_tokens`),
-each sampled from the same logits with its choice's seed (`engine.choices`); a result with
+each sampled from the same logits with its choice's seed (`engine.sampling.choices`); a result with
 a handle keeps its blocks in the worker's outbox until the decode side pulls or releases them, or
 the lease ends.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampling import SamplingParams, TopLogprobs
+from engine.sampling.prompt_logprobs import PromptLogprobs
+from engine.sampling.sampler import SamplingParams, TopLogprobs
 from kv_transfer.handle import KVHandle
 
 

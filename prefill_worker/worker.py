@@ -14,9 +14,9 @@ Life cycle of a request (each name is a queue or a state in this file):
    (`engine.prefill_planner`): the oldest job first, then shortest-remaining first, no job more than
    ``max_chunk_tokens`` per step — a long prompt is prefilled over several steps (chunked prefill)
    and short prompts pass it between its chunks; several short prompts share one forward. A job
-   that asks for prompt log-probs has each chunk's scored in the same forward (`engine.prompt_logprobs`).
+   that asks for prompt log-probs has each chunk's scored in the same forward (`engine.sampling.prompt_logprobs`).
 4. After its last chunk a job samples token 0 (``n`` choices: one token 0 per choice, each from
-   the same logits with its choice's seed, `engine.choices`), registers its full blocks in the
+   the same logits with its choice's seed, `engine.sampling.choices`), registers its full blocks in the
    prefix cache, and its blocks move to the **outbox** under a lease; the caller gets a
    `PrefillResult` with a `KVHandle`. If token 0 already ends the request (EOS, a stop id,
    ``max_tokens == 1``, a complete grammar; for every choice) the blocks are freed at once and the
@@ -44,15 +44,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.choices import choice_params
 from engine.engine import Engine
 from engine.errors import QueueFullError
-from engine.grammar import GrammarError, GrammarVocab, load_grammar
 from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens, wants_more
-from engine.prompt_logprobs import PromptLogprobs, check_prompt_logprobs, chunk_ask
 from engine.runner import PrefillChunk
-from engine.sampling import SamplerState, sample
+from engine.sampling.choices import choice_params
+from engine.sampling.grammar import GrammarError, GrammarVocab, load_grammar
+from engine.sampling.prompt_logprobs import PromptLogprobs, check_prompt_logprobs, chunk_ask
+from engine.sampling.sampler import SamplerState, sample
 from engine.step_loop import StepLoop
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout

@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 
-from engine.grammar import GrammarSpec
+from engine.sampling.grammar import GrammarSpec
 from router.admission import Admission
 from router.backends import Backends
 from router.codec import TextCodec, load_codec

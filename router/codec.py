@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from engine.grammar import GrammarSpec
-from engine.sampling import SamplingDefaults
+from engine.sampling.grammar import GrammarSpec
+from engine.sampling.sampler import SamplingDefaults
 from router.config import RouterConfig
 
 
@@ -154,14 +154,14 @@ class EngineTextCodec:
 
     async def compile_grammar(self, spec: GrammarSpec) -> None:
         """The same compile, on the same ``tokenizer.json`` and EOS ids, as the pools' (off the event loop)."""
-        from engine.grammar import load_grammar
+        from engine.sampling.grammar import load_grammar
 
         await load_grammar(spec, self._folder, self._eos)
 
 
 def load_codec(config: RouterConfig) -> TextCodec:
     """The tokenizer of the model folder the config names (prepared once, then cached)."""
-    from engine.bundled import prepare_model
+    from engine.loading.bundled import prepare_model
 
     cache = Path(config.model_cache_dir) if config.model_cache_dir else None
     return EngineTextCodec(prepare_model(config.model, cache_dir=cache, progress=False))

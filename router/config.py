@@ -1,7 +1,7 @@
 """Configuration of the HTTP router replicas (built by `cluster.config.ClusterConfig`).
 
 Invariants: frozen and picklable (it travels to every router replica); API keys never appear in
-its repr; the router loads the tokenizer of ``model`` (prepared by `engine.bundled.prepare_model`)
+its repr; the router loads the tokenizer of ``model`` (prepared by `engine.loading.bundled.prepare_model`)
 unless the `router.app.Router` is given a codec factory of its own (tests, tools).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.bundled import DEFAULT_MODEL
-from engine.choices import MAX_CHOICES
+from engine.loading.bundled import DEFAULT_MODEL
+from engine.sampling.choices import MAX_CHOICES
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ Served fields (both endpoints unless marked):
 | field | notes |
 |---|---|
 | model, messages (chat), prompt (completions) | one prompt per request |
-| n | 1..16 (<= decode.max_num_seqs): one prefill, its KV forked per choice; seeds per choice (`engine.choices`) |
+| n | 1..16 (<= decode.max_num_seqs): one prefill, KV forked per choice; per-choice seeds (`engine.sampling.choices`) |
 | max_tokens, max_completion_tokens (chat) | the latter wins when both are set |
 | temperature, top_p, seed, stop | OpenAI's ranges; at most 4 stop strings |
 | frequency_penalty, presence_penalty | -2..2, over the output tokens (OpenAI's formula) |

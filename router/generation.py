@@ -20,7 +20,7 @@ Admission (`router.admission`) comes first: a replica at its bound of requests i
 with 429 before the prefill, so nothing it admits is later dropped for load.
 
 Choices (``n > 1``): the prompt is prefilled once and token 0 sampled for every choice (each with
-its own seed, `engine.choices`); one decode call runs the choices still going (the decode replica
+its own seed, `engine.sampling.choices`); one decode call runs the choices still going (the decode replica
 forks the prompt's KV for them) and its events carry their choice's index. Each choice has its own
 detokenizer, stop strings, bounds and finish reason; a Delta carries its choice's ``index``. A choice
 ended here (stop string, our ``max_tokens`` bound) has its later events ignored; the decode call is
@@ -44,8 +44,8 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from decode_worker.types import KV_LOST, DecodeChoice, DecodeRequest, DecodeTimings, TokenEvent
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampling import SamplingParams, TopLogprobs
+from engine.sampling.prompt_logprobs import PromptLogprobs
+from engine.sampling.sampler import SamplingParams, TopLogprobs
 from kv_transfer.handle import KVHandle
 from prefill_worker.types import PrefillRequest
 from router.admission import Admission
@@ -71,7 +71,7 @@ class GenerationInput:
     prompt_logprobs: int | None = None  # the prompt's log-probs, this many alternatives each (None: not asked)
     arrival_time: float = field(default_factory=time.time)  # wall clock, for worker queue metrics
     arrival_mono: float = field(default_factory=time.perf_counter)  # for our latency metrics
-    n: int = 1  # choices (`engine.choices.MAX_CHOICES` at most, bounded by the request model)
+    n: int = 1  # choices (`engine.sampling.choices.MAX_CHOICES` at most, bounded by the request model)
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampling import TopLogprobs
+from engine.sampling.prompt_logprobs import PromptLogprobs
+from engine.sampling.sampler import TopLogprobs
 from router.codec import TextCodec
 from router.generation import Delta
 from router.prompt_logprobs import PromptLogprobsList, echoed_entries, vllm_prompt_logprobs

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from engine.sampling import SamplingDefaults, SamplingParams
+from engine.sampling.sampler import SamplingDefaults, SamplingParams
 from router.codec import TextCodec
 from router.errors import bad_request, context_too_long
 from router.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest

@@ -1,4 +1,4 @@
-"""A prompt's log-probs (`engine.prompt_logprobs.PromptLogprobs`) in the API's two shapes.
+"""A prompt's log-probs (`engine.sampling.prompt_logprobs.PromptLogprobs`) in the API's two shapes.
 
 Owns: vLLM's ``prompt_logprobs`` list (`PromptLogprob`, `vllm_prompt_logprobs`: on a completions
 choice, on a chat response) and the echoed prompt's entries of a legacy completions ``logprobs``
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampling import TopLogprobs
+from engine.sampling.prompt_logprobs import PromptLogprobs
+from engine.sampling.sampler import TopLogprobs
 from router.codec import TextCodec
 
 #: the most negative log-prob sent (vLLM's and OpenAI's stand-in for -inf)

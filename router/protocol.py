@@ -9,7 +9,7 @@ Invariants: the fields declared here are the ones we serve; `router.fields.accou
 every other field of the body before these models see it (refused ones at a non-default value are a
 400, the rest are dropped), so ``extra="ignore"`` drops nothing unaccounted for. A request that
 passes validation has a ``max_tokens`` that is None or >= 1, at most 4 non-empty stop strings, a
-non-empty prompt, ``n`` in 1..16 (`engine.choices.MAX_CHOICES`), only text content, ``logit_bias``
+non-empty prompt, ``n`` in 1..16 (`engine.sampling.choices.MAX_CHOICES`), only text content, ``logit_bias``
 values in -100..100, ``min_tokens`` no larger than ``max_tokens``, no ``prompt_logprobs`` on a
 stream (vLLM's rule), a ``response_format`` of a served type and shape and ``tool_calls`` only on
 assistant messages; what needs the tokenizer or the served name (token ids inside the vocabulary,
@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.choices import MAX_CHOICES
+from engine.sampling.choices import MAX_CHOICES
 from router.messages import ChatMessage
 from router.prompt_logprobs import PromptLogprobsList
 from router.response_format import ResponseFormat
@@ -63,7 +63,7 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES, strict=True)  # choices, one prefill (`engine.choices`)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, strict=True)  # choices, one prefill (`engine.sampling.choices`)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)

@@ -2,7 +2,7 @@
 
 Owns: `ResponseFormat` (the request field: ``text``, ``json_object``, or ``json_schema`` with
 ``name``, ``schema``, optional ``description`` / ``strict``), `grammar_for` (→ the
-`engine.grammar.GrammarSpec` the pools enforce; ``text``: none) and `check_grammar` (the spec
+`engine.sampling.grammar.GrammarSpec` the pools enforce; ``text``: none) and `check_grammar` (the spec
 compiled by the codec against the model's tokenizer, off the event loop, before any prefill).
 
 Invariants: any other type or shape is a validation error of the field itself (a 400 whose
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from engine.grammar import GrammarError, GrammarSpec
+from engine.sampling.grammar import GrammarError, GrammarSpec
 from router.errors import bad_request
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ Owns: `ToolPlan` (per request: the mode, the tools handed to the chat template, 
 the JSON schema a forced call is constrained to) and `plan_tools`, which builds it or refuses the
 request with a 400 naming the field at fault; `required_schema`, the output schema of
 ``tool_choice: required`` (a named function's is its ``parameters``), and `tool_grammar`, that
-schema as the request's grammar (`engine.grammar.GrammarSpec`), checked against the tokenizer.
+schema as the request's grammar (`engine.sampling.grammar.GrammarSpec`), checked against the tokenizer.
 
 Modes (``tool_choice``; without one, ``auto`` when there are tools, else ``none``). The tools are
 rendered into the prompt whenever the template renders them; then
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.grammar import GrammarSpec
+from engine.sampling.grammar import GrammarSpec
 from router.codec import TextCodec
 from router.errors import APIError, bad_request
 from router.messages import ChatMessage

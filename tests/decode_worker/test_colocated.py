@@ -10,7 +10,7 @@ import time
 import pytest
 
 from decode_worker.types import DecodeRequest
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from tests.support.inprocess_pd import collect, make_colocated, random_prompt, reference, wait_until, workload
 
 pytestmark = pytest.mark.timeout(240)

@@ -14,8 +14,8 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import InProcessImporter
 from decode_worker.types import DecodeRequest, TokenEvent, merge_events
 from decode_worker.worker import DecodeWorker
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampling import SamplingParams
+from engine.sampling.prompt_logprobs import PromptLogprobs
+from engine.sampling.sampler import SamplingParams
 from tests.support.inprocess_pd import make_colocated, random_prompt, reference
 from tests.support.prompt_logprobs_oracle import assert_close, hf_prompt_logprobs
 

@@ -9,7 +9,7 @@ import pytest
 
 from decode_worker.stream import Stream
 from decode_worker.types import DecodeRequest, TokenEvent, merge_events
-from engine.sampling import SamplerState, SamplingParams
+from engine.sampling.sampler import SamplerState, SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,7 +11,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import generate
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from engine.tokenizer import Tokenizer
 from tests.support.multinode import APP, Deployed, completion
 

@@ -1,6 +1,6 @@
 """``n`` choices through prefill worker → decode worker in one process, and colocated: one prefill,
 the prompt's KV forked per choice. Oracle: the reference `generate()` — greedy choices all equal
-it; a seeded choice ``i`` equals it with choice ``i``'s derived seed (`engine.choices`), so choice 0
+it; a seeded choice ``i`` equals it with choice ``i``'s derived seed (`engine.sampling.choices`), so choice 0
 equals the ``n = 1`` request. Prompts that end mid-block (copy-on-write) and on a block boundary;
 a decode pool small enough to swap forks; aborts of all choices. After each run both pools' books
 pass their integrity checks with every block free."""
@@ -14,9 +14,9 @@ import pytest
 
 from decode_worker.types import DecodeChoice, DecodeRequest
 from decode_worker.worker import DecodeWorker
-from engine.choices import choice_params
 from engine.engine import Engine
-from engine.sampling import SamplingParams
+from engine.sampling.choices import choice_params
+from engine.sampling.sampler import SamplingParams
 from tests.support.inprocess_pd import (
     PD,
     collect_choices,
@@ -192,7 +192,7 @@ async def test_choices_under_a_grammar_each_follow_their_own_matcher(tmp_path_fa
 
     from engine.config import EngineConfig
     from engine.generate import generate
-    from engine.grammar import GrammarSpec
+    from engine.sampling.grammar import GrammarSpec
     from engine.tokenizer import Tokenizer
     from tests.support.inprocess_pd import EOS
     from tests.support.models import make_tiny_chat_model

@@ -13,12 +13,12 @@ import jsonschema
 import pytest
 
 from decode_worker.types import DecodeRequest
-from engine import sampling
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import generate
-from engine.grammar import GrammarError, GrammarSpec
-from engine.sampling import SamplingParams
+from engine.sampling.grammar import GrammarError, GrammarSpec
+from engine.sampling.sampler import SamplingParams
+from engine.sampling import sampler as sampling
 from engine.tokenizer import Tokenizer
 from prefill_worker.types import PrefillRequest
 from tests.support.inprocess_pd import EOS, collect, make_colocated, make_pd, run_both_modes

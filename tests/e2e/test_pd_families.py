@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from decode_worker.types import DecodeRequest
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from tests.support.inprocess_pd import collect, make_colocated, make_pd, random_prompt
 from tests.support.models import make_tiny
 

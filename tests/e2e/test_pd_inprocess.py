@@ -10,7 +10,7 @@ import pytest
 
 from decode_worker.types import DecodeRequest
 from engine.errors import ContextLengthError
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from kv_transfer.errors import TransferError
 from prefill_worker.types import PrefillRequest
 from tests.support.inprocess_pd import (

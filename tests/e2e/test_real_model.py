@@ -21,12 +21,12 @@ from ray import serve
 
 from cluster.app import compose_app
 from cluster.config import ClusterConfig
-from engine.bundled import DEFAULT_MODEL, prepare_model
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import generate
-from engine.grammar import GrammarSpec
-from engine.sampling import SamplingParams
+from engine.loading.bundled import DEFAULT_MODEL, prepare_model
+from engine.sampling.grammar import GrammarSpec
+from engine.sampling.sampler import SamplingParams
 from engine.tokenizer import Tokenizer
 from loadtests.bench_common import free_port
 from tests.support.prompt_logprobs_oracle import hf_prompt_logprobs

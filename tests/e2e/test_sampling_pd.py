@@ -12,7 +12,7 @@ import torch
 
 from decode_worker.types import DecodeRequest
 from engine.engine import Engine
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from tests.support.inprocess_pd import make_colocated, make_pd, random_prompt, reference, run_both_modes
 
 pytestmark = pytest.mark.timeout(240)

@@ -31,7 +31,7 @@ from cluster.config import ClusterConfig
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import generate
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from engine.tokenizer import Tokenizer
 from loadtests.bench_common import free_port
 from router.app import Router

@@ -1,4 +1,4 @@
-"""`engine.attention_choice`: the decode attention method, timed at load or pinned.
+"""`engine.kernels.attention_choice`: the decode attention method, timed at load or pinned.
 
 That every method computes the reference attention is `test_fast_paths`'s job; here: what gets
 timed, what wins, what happens when the compiled method cannot run, what is refused, that
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import attention_choice, compiled_attention
-from engine.attention import DECODE_METHODS, GATHERED_METHODS, SOFTCAP_METHODS
-from engine.attention_choice import AttentionChoice, choose_decode_attention, compiled_error, time_methods
+from engine.attention.ops import DECODE_METHODS, GATHERED_METHODS, SOFTCAP_METHODS
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.kernels import attention_choice, compiled_attention
+from engine.kernels.attention_choice import AttentionChoice, choose_decode_attention, compiled_error, time_methods
 from engine.runner import DecodeSeq
 from tests.support.markers import needs_cxx
 from tests.support.models import make_tiny
@@ -83,7 +83,7 @@ def test_compiled_that_cannot_run_is_left_out_with_a_warning_and_refused_when_pi
     monkeypatch.setattr(attention_choice, "native_error", lambda: "no C++ compiler 'c++' on PATH")
     assert compiled_error(6, 2, 16, torch.float32) == "RuntimeError: InvalidCxxCompiler: No working C++ compiler found"
     monkeypatch.setattr(attention_choice, "SIZES", ((2, 40),))
-    with caplog.at_level(logging.WARNING, logger="engine.attention_choice"):
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.attention_choice"):
         got = choose_decode_attention(6, 2, 16)
     assert got.method in GATHERED_METHODS and set(got.ms) == set(GATHERED_METHODS)
     assert "compiled decode attention unavailable" in caplog.text and "No working C++ compiler" in caplog.text

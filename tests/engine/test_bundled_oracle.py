@@ -10,7 +10,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import generate
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from engine.tokenizer import Tokenizer
 
 PROMPTS = [

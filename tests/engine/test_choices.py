@@ -7,8 +7,8 @@ import hashlib
 
 import pytest
 
-from engine.choices import choice_params, choice_seed
-from engine.sampling import SamplingParams
+from engine.sampling.choices import choice_params, choice_seed
+from engine.sampling.sampler import SamplingParams
 
 
 def test_choice_zero_is_the_request_itself() -> None:

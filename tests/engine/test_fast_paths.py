@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import attention
-from engine.attention import PagedDecodeMeta, Workspace, decode_attention, paged_decode_attention
+from engine.attention.ops import PagedDecodeMeta, Workspace, decode_attention, paged_decode_attention
+from engine.attention import ops as attention
 from engine.config import ModelConfig
+from engine.kernels.quant import Linear, PackedLinear, make_linear, onednn_packing_available
 from engine.kv_cache import KVCache
-from engine.model import LlamaModel
-from engine.quant import Linear, PackedLinear, make_linear, onednn_packing_available
+from engine.loading.weights import load_weights
+from engine.model.model import LlamaModel
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
-from engine.weights import load_weights
 from tests.support.markers import needs_cxx
 from tests.support.models import make_tiny
 

@@ -12,8 +12,8 @@ import pytest
 import transformers
 
 from engine.errors import ModelLoadError
-from engine.generation_config import GenerationConfig
-from engine.sampling import SamplingDefaults
+from engine.loading.generation_config import GenerationConfig
+from engine.sampling.sampler import SamplingDefaults
 from engine.tokenizer import Tokenizer
 from tests.support.bos_tokenizer import make_bos_tokenizer_dir
 

@@ -19,7 +19,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import generate
-from engine.grammar import (
+from engine.sampling.grammar import (
     GrammarError,
     GrammarMatcher,
     GrammarSpec,
@@ -29,7 +29,7 @@ from engine.grammar import (
     grammar_vocab,
     mask_logits,
 )
-from engine.sampling import SamplerState, SamplingParams, sample
+from engine.sampling.sampler import SamplerState, SamplingParams, sample
 from engine.tokenizer import Tokenizer
 from tests.support.models import make_tiny_chat_model
 

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as QT
 from cluster.config import ClusterConfig, Environment
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.group_int8 import GroupInt8Linear, GroupQuantized
-from engine.native_linear import NativeLinear
+from engine.kernels.group_int8 import GroupInt8Linear, GroupQuantized
+from engine.kernels.native_linear import NativeLinear
 from engine.runner import DecodeSeq, PrefillChunk
 from tests.support.gguf_files import TOKENS, tiny_model, write_gguf
 from tests.support.markers import needs_cxx
@@ -102,7 +102,7 @@ def test_q8_0_gguf_loads_into_int8_kernels_from_the_yaml(tmp_path: Path, family:
     the torch kernel (the file's exact weights), within 1e-3 on the C++ one (which rounds each row of
     activations to int16 for its integer sums)."""
     if not native:
-        monkeypatch.setattr("engine.kernel_choice.native_linear_error", lambda: "turned off by the test")
+        monkeypatch.setattr("engine.kernels.kernel_choice.native_linear_error", lambda: "turned off by the test")
     write_gguf(tmp_path / "m.gguf", tiny_model(family, tied=False), QT.Q8_0, arch=family)
     cluster = ClusterConfig.from_args({"model": str(tmp_path / "m.gguf"), "mode": "colocated",
                                        "engine": {"dtype": "float32", "quantization": "int8"}}, Environment())

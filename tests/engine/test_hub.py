@@ -19,12 +19,12 @@ import huggingface_hub
 import pytest
 import torch
 
-from engine.bundled import prepare_model, stored_dtype
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.hub import METADATA_FILES, is_hub_id
+from engine.loading.bundled import prepare_model, stored_dtype
+from engine.loading.hub import METADATA_FILES, is_hub_id
+from engine.loading.weights import load_weights
 from engine.tokenizer import Tokenizer
-from engine.weights import load_weights
 from tests.support.models import bundled_tokenizer_dir, make_tiny
 
 REPO = "tiny-org/Tiny-Llama"
@@ -78,7 +78,7 @@ def test_hf_home_from_the_environment(tmp_path: Path, tiny_model: Path) -> None:
     shutil.copytree(tiny_model, snapshot(tmp_path / "home" / "hub"))
     env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    code = f"from engine.bundled import prepare_model; print(prepare_model({REPO!r}, progress=False))"
+    code = f"from engine.loading.bundled import prepare_model; print(prepare_model({REPO!r}, progress=False))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120, check=True)
     assert Path(out.stdout.strip()) == snapshot(tmp_path / "home" / "hub")

@@ -1,4 +1,4 @@
-"""`engine.huge_pages` and the KV cache it allocates: always a zeroed contiguous tensor of the asked
+"""`engine.kernels.huge_pages` and the KV cache it allocates: always a zeroed contiguous tensor of the asked
 shape; on Linux with transparent huge pages not set to ``never``, a large one really is backed by
 huge pages (read back from /proc/self/smaps); the cache's per-layer views are independent."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.huge_pages import HUGE, huge_page_bytes, huge_zeros, thp_mode
+from engine.kernels.huge_pages import HUGE, huge_page_bytes, huge_zeros, thp_mode
 from engine.kv_cache import KVCache
 
 

@@ -1,4 +1,4 @@
-"""`engine.kernel_choice`: pinned formats are obeyed, ``auto`` times both and keeps one, and the
+"""`engine.kernels.kernel_choice`: pinned formats are obeyed, ``auto`` times both and keeps one, and the
 engine's config reaches the model (``linear_kernels`` and ``quantization``)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.kernel_choice import TIMED_ROWS, build_linears, formats, time_formats
-from engine.native_linear import NativeLinear, native_linear_error
-from engine.quant import Int8Linear, Linear, PackedLinear, UpcastLinear, onednn_packing_available
+from engine.kernels.kernel_choice import TIMED_ROWS, build_linears, formats, time_formats
+from engine.kernels.native_linear import NativeLinear, native_linear_error
+from engine.kernels.quant import Int8Linear, Linear, PackedLinear, UpcastLinear, onednn_packing_available
 from tests.support.markers import needs_cxx
 from tests.support.models import make_tiny
 
@@ -72,7 +72,7 @@ def test_reference_path_is_not_timed_and_int8_ignores_the_dense_modes() -> None:
 
 
 def test_pick_keeps_the_default_on_a_tie_and_takes_a_clear_winner() -> None:
-    from engine.kernel_choice import pick
+    from engine.kernels.kernel_choice import pick
 
     assert pick({"packed": {1: 1.0, 8: 2.0}, "native": {1: 0.99, 8: 1.99}}, margin=0.03) == "packed"
     assert pick({"packed": {1: 1.0, 8: 2.0}, "plain": {1: 0.9, 8: 1.9}, "native": {1: 0.5, 8: 2.2}},
@@ -81,7 +81,7 @@ def test_pick_keeps_the_default_on_a_tie_and_takes_a_clear_winner() -> None:
 
 
 def test_native_competes_with_a_row_limit_priced_from_the_same_timings() -> None:
-    from engine.kernel_choice import pick, with_native_limits
+    from engine.kernels.kernel_choice import pick, with_native_limits
 
     # as timed on an AMX Xeon (bf16 qkv): the C++ kernel wins at 1 row, oneDNN from 8 rows on
     ms = {"packed": {1: 2.2, 8: 2.3, 32: 2.8}, "plain": {1: 2.6, 8: 2.4, 32: 3.1}, "native": {1: 1.2, 8: 3.6, 32: 11.8}}
@@ -96,7 +96,7 @@ def test_native_competes_with_a_row_limit_priced_from_the_same_timings() -> None
 
 @needs_cxx
 def test_a_chosen_row_limit_is_what_the_kernels_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import kernel_choice
+    from engine.kernels import kernel_choice
 
     def timed(weights, biases, builders, rows=kernel_choice.TIMED_ROWS, repeats=3):  # type: ignore[no-untyped-def]
         built = {f: [make(w, b) for w, b in zip(weights, biases, strict=True)] for f, make in builders.items()}
@@ -116,7 +116,7 @@ def test_a_chosen_row_limit_is_what_the_kernels_run(monkeypatch: pytest.MonkeyPa
 @needs_cxx
 @needs_onednn
 def test_a_row_limit_over_the_packed_kernel_keeps_the_plain_weight_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import kernel_choice
+    from engine.kernels import kernel_choice
 
     def timed(weights, biases, builders, rows=kernel_choice.TIMED_ROWS, repeats=3):  # type: ignore[no-untyped-def]
         built = {f: [make(w, b) for w, b in zip(weights, biases, strict=True)] for f, make in builders.items()}
@@ -154,7 +154,7 @@ def test_a_somewhat_slower_native_kernel_still_takes_the_rows_a_native_step_runs
     """oneDNN's packed kernel wins the class outright; the C++ kernel, 20% slower at one row, still takes
     one-row batches (over the packed kernel, with the plain weight kept) so a one-row step can run as one
     native call; not where that copy would be larger than `STEP_COPY_MAX_BYTES`, nor past the tolerance."""
-    from engine import kernel_choice
+    from engine.kernels import kernel_choice
 
     rows = kernel_choice.TIMED_ROWS
     ms = {"packed": {r: 1.0 for r in rows}, "plain": {r: 2.0 for r in rows},
@@ -178,8 +178,8 @@ def test_a_somewhat_slower_native_kernel_still_takes_the_rows_a_native_step_runs
 def test_the_fewest_rows_go_native_where_it_beats_the_chosen_kernel_there(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 without oneDNN packing: "native" wraps upcast, and a row limit over it loses to plain; still
     one row natively then plain beyond is faster at one row and the same elsewhere."""
-    from engine import kernel_choice
-    from engine.kernel_choice import native_prefix
+    from engine.kernels import kernel_choice
+    from engine.kernels.kernel_choice import native_prefix
 
     rows = kernel_choice.TIMED_ROWS
     ms = {"plain": {r: 1.0 for r in rows}, "upcast": {r: 1.5 for r in rows},
@@ -200,7 +200,7 @@ def test_the_fewest_rows_go_native_where_it_beats_the_chosen_kernel_there(monkey
 
 
 def test_bf16_without_onednn_packing_gets_the_upcast_format(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import kernel_choice
+    from engine.kernels import kernel_choice
 
     monkeypatch.setattr(kernel_choice, "onednn_applies", lambda *a: False)
     ws = [w.bfloat16() for w in weights()[0]]

@@ -33,8 +33,8 @@ _MEASURE = """
 import json, sys, torch
 from pathlib import Path
 from engine.config import ModelConfig
-from engine.gguf_loader import convert_gguf_to_hf
-from engine.weights import load_weights
+from engine.loading.gguf_loader import convert_gguf_to_hf
+from engine.loading.weights import load_weights
 
 def hwm():
     for line in open("/proc/self/status"):

@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
-from engine.rope_params import RopeParams
+from engine.model.rope_params import RopeParams
 
 BASE: dict[str, Any] = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)

@@ -147,7 +147,7 @@ def test_batched_decode_matches(pair) -> None:
 
 def test_generate_matches_hf_greedy(pair) -> None:
     from engine.generate import generate
-    from engine.sampling import SamplingParams
+    from engine.sampling.sampler import SamplingParams
 
     hf, eng = pair
     ids = rand_ids(12, 99)

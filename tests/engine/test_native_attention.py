@@ -1,4 +1,4 @@
-"""`engine.native_attention`: the C++ paged decode attention, its build, and what it refuses.
+"""`engine.kernels.native_attention`: the C++ paged decode attention, its build, and what it refuses.
 
 That it computes the reference attention over padded, scattered block tables in fp32 and bf16 is
 also `test_fast_paths`'s (parametrized over every method); here: batched decode steps of a whole
@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import attention_choice, native_attention
-from engine.attention import GATHERED_METHODS, decode_attention
-from engine.attention_choice import choose_decode_attention
+from engine.attention.ops import GATHERED_METHODS, decode_attention
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.native_attention import NativeUnavailable, native_error, native_paged_attention
+from engine.kernels import attention_choice, native_attention
+from engine.kernels.attention_choice import choose_decode_attention
+from engine.kernels.native_attention import NativeUnavailable, native_error, native_paged_attention
 from engine.runner import DecodeSeq, PrefillChunk
 from tests.support.markers import needs_cxx
 from tests.support.models import make_tiny
@@ -129,7 +129,7 @@ def test_no_compiler_is_left_out_with_a_warning_and_refused_when_pinned(
     assert native_error() == "no C++ compiler 'no-such-compiler-xyz' on PATH"
     monkeypatch.setattr(attention_choice, "compiled_error", lambda *a: "not here")
     monkeypatch.setattr(attention_choice, "SIZES", ((2, 40),))
-    with caplog.at_level(logging.WARNING, logger="engine.attention_choice"):
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.attention_choice"):
         got = choose_decode_attention(6, 2, 16)
     assert got.method in GATHERED_METHODS and set(got.ms) == set(GATHERED_METHODS)
     assert "native decode attention unavailable" in caplog.text and "no-such-compiler-xyz" in caplog.text

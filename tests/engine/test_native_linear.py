@@ -1,4 +1,4 @@
-"""`engine.native_linear`: the C++ decode-step linear against float64 ``F.linear`` of the weight it wraps.
+"""`engine.kernels.native_linear`: the C++ decode-step linear against float64 ``F.linear`` of the weight it wraps.
 
 Every weight format (fp32, bf16, int8 + scales) and activation dtype, each fused prologue (none,
 RMSNorm without gain, silu(gate) * up) and epilogue (bias, residual), row counts on both sides of the
@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import kernel_choice, native_linear
-from engine.kernel_choice import build_linears
-from engine.native_linear import NativeLinear, native_applies
-from engine.quant import Int8Linear, Linear, PackedLinear, make_linear, onednn_packing_available
+from engine.kernels import kernel_choice, native_linear
+from engine.kernels.kernel_choice import build_linears
+from engine.kernels.native_linear import NativeLinear, native_applies
+from engine.kernels.quant import Int8Linear, Linear, PackedLinear, make_linear, onednn_packing_available
 from tests.support.markers import needs_cxx
 
 EPS = 1e-5
@@ -110,7 +110,7 @@ def test_int8_sums_do_not_overflow_at_the_worst_case(rows: int) -> None:
 
 @needs_cxx
 @pytest.mark.parametrize("wdtype", ["float32", "int8"])
-@pytest.mark.parametrize("limit", [NativeLinear.MAX_ROWS, 3])  # 3: a limit `engine.kernel_choice` may set
+@pytest.mark.parametrize("limit", [NativeLinear.MAX_ROWS, 3])  # 3: a limit `engine.kernels.kernel_choice` may set
 def test_above_max_rows_the_wrapped_kernel_runs_unchanged(wdtype: str, limit: int) -> None:
     base = base_kernel(wdtype, 24, 16, bias=True)
     lin = NativeLinear(base, max_rows=limit)

@@ -1,4 +1,4 @@
-"""`engine.native_prefill`: the causal fp32 prefill attention kernel against torch's SDPA (the same
+"""`engine.kernels.native_prefill`: the causal fp32 prefill attention kernel against torch's SDPA (the same
 causal attention, float64 as the oracle), from position 0 and after a cached context, over head sizes,
 GQA groups, lengths that are not multiples of the kernel's blocks, strided qkv views and thread counts;
 what it refuses."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.native_prefill import native_prefill_applies, native_prefill_attention
+from engine.kernels.native_prefill import native_prefill_applies, native_prefill_attention
 from tests.support.markers import needs_cxx
 
 

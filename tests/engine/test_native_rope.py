@@ -1,5 +1,5 @@
-"""`engine.native_rope`: RoPE in place and the paged-cache store against the reference rotation
-(`engine.rope.RotaryEmbedding.apply`, fp32) and `write_kv`, over whole heads and over their first 12 of 16
+"""`engine.kernels.native_rope`: RoPE in place and the paged-cache store against the reference rotation
+(`engine.model.rope.RotaryEmbedding.apply`, fp32) and `write_kv`, over whole heads and over their first 12 of 16
 dims (partial rotary); every index checked before the kernel runs."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import write_kv
-from engine.native_rope import RopeStore
-from engine.rope import RotaryEmbedding
+from engine.attention.ops import write_kv
+from engine.kernels.native_rope import RopeStore
+from engine.model.rope import RotaryEmbedding
 from tests.support.markers import needs_cxx
 
 H, KV, D, P = 6, 2, 16, 64

@@ -1,4 +1,4 @@
-"""`engine.native_rows`: RMSNorm (no gain) and silu(gate) * up over rows, against torch's ops in fp32
+"""`engine.kernels.native_rows`: RMSNorm (no gain) and silu(gate) * up over rows, against torch's ops in fp32
 (tight) and bf16 (one rounding: within a bf16 step of the fp32 result), at row counts on both sides
 of the kernel's thread split, widths that are not a multiple of the vector, and what goes to torch."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import native_rows
-from engine.native_rows import glu, rms_norm
+from engine.kernels import native_rows
+from engine.kernels.native_rows import glu, rms_norm
 from tests.support.markers import needs_cxx
 
 EPS = 1e-5

@@ -1,4 +1,4 @@
-"""`engine.native_step`: the whole decode step in one C++ call equals the per-layer native path bit for
+"""`engine.kernels.native_step`: the whole decode step in one C++ call equals the per-layer native path bit for
 bit (logits and every cache write), in fp32, bf16 and int8, at one and several sequences; it is used
 only where every piece of that path is native; every index it trusts is checked first.
 
@@ -16,9 +16,9 @@ import torch
 
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.model import LlamaModel
+from engine.loading.weights import load_weights
+from engine.model.model import LlamaModel
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
-from engine.weights import load_weights
 from tests.support.markers import needs_cxx
 from tests.support.models import make_tiny
 

@@ -12,8 +12,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.prompt_logprobs import ROWS_PER_PASS, PromptLogprobs, chunk_ask
 from engine.runner import PrefillChunk
+from engine.sampling.prompt_logprobs import ROWS_PER_PASS, PromptLogprobs, chunk_ask
 from tests.support.prompt_logprobs_oracle import assert_close, hf_prompt_logprobs
 
 pytestmark = pytest.mark.timeout(120)

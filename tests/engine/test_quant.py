@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig, ModelConfig
+from engine.kernels.native_linear import NativeLinear
+from engine.kernels.quant import Int8Linear, dequantize_int8, make_linear, quantize_int8
 from engine.kv_cache import KVCache
-from engine.model import LlamaModel, build_model
-from engine.native_linear import NativeLinear
-from engine.quant import Int8Linear, dequantize_int8, make_linear, quantize_int8
+from engine.loading.weights import load_weights
+from engine.model.model import LlamaModel, build_model
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
-from engine.weights import load_weights
 from tests.support.models import make_tiny
 
 

@@ -12,7 +12,7 @@ from decode_worker.deployment import DecodeServer
 from decode_worker.types import DecodeRequest
 from engine.config import EngineConfig
 from engine.errors import QueueFullError
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from kv_transfer.config import KVTransferConfig
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.deployment import PrefillServer

@@ -1,7 +1,7 @@
 """Length-dependent and partial RoPE against transformers on tiny random models: longrope (Phi-3),
 longrope over the first 3/4 of each head (Phi-4-mini's partial rotary) and dynamic NTK (Llama).
 
-transformers picks these tables per forward call from the call's length (`engine.rope_params`): the
+transformers picks these tables per forward call from the call's length (`engine.model.rope_params`): the
 prompts here are shorter than, as long as and longer than the threshold (32 tokens), and the decoding
 crosses it, so every table is used, in one-shot, chunked and batched prefills, after a reused prefix
 and in batched decode steps that mix sequences on both sides of it. Each engine path runs: the
@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import generate
 from engine.runner import DecodeSeq, PrefillChunk
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from tests.support.models import make_tiny
 
 ATOL = 1e-4
@@ -212,7 +212,7 @@ def test_tables_equal_transformers(name: str) -> None:
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
     from engine.config import ModelConfig
-    from engine.rope import RotaryEmbedding, inv_freq
+    from engine.model.rope import RotaryEmbedding, inv_freq
 
     raw = CONFIGS[name]
     hf_cfg = transformers.AutoConfig.for_model(**raw)

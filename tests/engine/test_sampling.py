@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-from engine import sampling
-from engine.sampling import SamplerState, SamplingParams, bias_and_min_tokens, penalties, sample
+from engine.sampling.sampler import SamplerState, SamplingParams, bias_and_min_tokens, penalties, sample
+from engine.sampling import sampler as sampling
 
 pytestmark = pytest.mark.timeout(60)
 V = 50

@@ -1,4 +1,4 @@
-"""The truncation and the draw (engine/sampling_draw.py, through `truncate` and `sample`) against
+"""The truncation and the draw (engine/sampling/draw.py, through `truncate` and `sample`) against
 their references: transformers' logits warpers for the kept sets, and a brute-force per-row sampler
 written token by token with the same seeding: the same tokens in any batch, on tie-free and on
 bf16 logits (many ties), and draws that follow the truncated distribution (no model)."""
@@ -18,9 +18,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine import sampling_draw
-from engine.sampling import SamplerState, SamplingParams, sample
-from engine.sampling_draw import BLOCK, _invert, truncate
+from engine.sampling.draw import BLOCK, _invert, truncate
+from engine.sampling.sampler import SamplerState, SamplingParams, sample
+from engine.sampling import draw as sampling_draw
 
 pytestmark = pytest.mark.timeout(120)
 V = 50
@@ -91,7 +91,7 @@ def test_top_p_keeps_every_token_tied_with_its_last() -> None:
 
 
 def reference_row(raw: torch.Tensor, st: SamplerState) -> int:
-    """One row, the pipeline written out token by token (engine/sampling.py's docstring order):
+    """One row, the pipeline written out token by token (engine/sampling/sampler.py's docstring order):
     top-k and top-p keep every token tied with their last, and the draw walks the kept tokens in
     id order until their running weight passes the step generator's number times their total."""
     p = st.params

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from tests.support.inprocess_pd import make_pd, random_prompt, reference
 
 pytestmark = pytest.mark.timeout(240)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from prefill_worker.types import PrefillRequest
 from tests.support.inprocess_pd import make_pd, random_prompt, reference
 from tests.support.prompt_logprobs_oracle import assert_close, hf_prompt_logprobs

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from prefill_worker.types import PrefillRequest
 from tests.support.inprocess_pd import make_pd, random_prompt
 from tests.support.models import make_tiny

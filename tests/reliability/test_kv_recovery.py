@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from router.backends import Backends
 from router.generation import Generation, GenerationInput, StreamError
 from router.metrics import RouterMetrics

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from prefill_worker.types import PrefillRequest
 from router import replica_router
 from router.replica_router import LoadAwareRequestRouter

@@ -11,7 +11,7 @@ from typing import Any
 import jinja2
 import pytest
 
-from engine.sampling import SamplingDefaults
+from engine.sampling.sampler import SamplingDefaults
 from router.codec import EngineTextCodec, TextCodec, load_codec
 from router.config import RouterConfig
 from router.prompt import chat_prompt, completion_prompt, sampling_for

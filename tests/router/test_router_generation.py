@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError
 
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from router.backends import Backends
 from router.errors import APIError
 from router.generation import Delta, Generation, GenerationInput, StreamError

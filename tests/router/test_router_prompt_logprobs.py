@@ -11,8 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from decode_worker.types import DecodeRequest, TokenEvent
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampling import SamplingParams
+from engine.sampling.prompt_logprobs import PromptLogprobs
+from engine.sampling.sampler import SamplingParams
 from prefill_worker.types import PrefillRequest, PrefillResult
 from router.backends import Backends
 from router.errors import from_validation_errors

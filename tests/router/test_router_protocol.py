@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine.errors import ContextLengthError, QueueFullError
-from engine.sampling import SamplingDefaults
+from engine.sampling.sampler import SamplingDefaults
 from router.errors import APIError, from_exception, from_validation_errors, queue_full
 from router.prompt import chat_prompt, completion_prompt, sampling_for
 from router.protocol import ChatCompletionRequest, CompletionRequest

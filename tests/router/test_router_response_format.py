@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from engine.grammar import GrammarError, GrammarSpec
+from engine.sampling.grammar import GrammarError, GrammarSpec
 from router.codec import TextCodec, load_codec
 from router.config import RouterConfig
 from router.errors import APIError, from_validation_errors

@@ -22,7 +22,7 @@ from openai.types.chat import ChatCompletionChunk
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.grammar import GrammarSpec
+from engine.sampling.grammar import GrammarSpec
 from router.codec import EngineTextCodec
 from router.errors import APIError
 from router.generation import Delta

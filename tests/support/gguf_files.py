@@ -1,7 +1,7 @@
 """GGUF files written the way llama.cpp writes them, from tiny transformers models (the GGUF tests' oracle).
 
 llama.cpp's q/k permutation and HF→GGUF name table are restated here independently of
-`engine.gguf_loader`, so a converter bug cannot hide behind a shared table.
+`engine.loading.gguf_loader`, so a converter bug cannot hide behind a shared table.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import generate
-from engine.sampling import SamplingParams
+from engine.sampling.sampler import SamplingParams
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.outbox import Outbox
 from prefill_worker.config import PrefillWorkerConfig

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-#: inductor (`engine.compiled_attention`) and `engine.native_attention` compile C++ at runtime:
+#: inductor (`engine.kernels.compiled_attention`) and `engine.kernels.native_attention` compile C++ at runtime:
 #: only where a compiler exists.
 needs_cxx = pytest.mark.skipif(
     not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")),

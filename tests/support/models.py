@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bundled import DEFAULT_MODEL, prepare_model
+from engine.loading.bundled import DEFAULT_MODEL, prepare_model
 
 CHAT_VOCAB_SIZE = 49152  # SmolLM2's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

@@ -39,10 +39,10 @@ import llguidance
 
 from decode_worker.types import DecodeChoice, DecodeRequest, DecodeTimings, TokenEvent
 from engine.errors import QueueFullError
-from engine.grammar import GrammarError, GrammarSpec
 from engine.load_report import LoadReport
-from engine.prompt_logprobs import PromptLogprobs
-from engine.sampling import SamplingDefaults
+from engine.sampling.grammar import GrammarError, GrammarSpec
+from engine.sampling.prompt_logprobs import PromptLogprobs
+from engine.sampling.sampler import SamplingDefaults
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from prefill_worker.types import FirstToken, PrefillRequest, PrefillResult, PrefillTimings

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.prompt_logprobs import PromptLogprobs
+from engine.sampling.prompt_logprobs import PromptLogprobs
 
 
 @dataclass(frozen=True)
