@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
+from engine.attention.registry import BACKENDS
 from engine.errors import ModelLoadError
-from engine.kernels.attention_choice import DECODE_ATTENTION
-from engine.kernels.kernel_choice import LINEAR_KERNELS
 from engine.model.families import ACTIVATION_NAMES, FAMILIES, MODEL_TYPES, SUPPORTED_ARCHITECTURES, Family
 from engine.model.rope_params import LAYER_TYPES, RopeParams, RopeScaling, ropes
 
@@ -33,6 +32,11 @@ _DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 
+
+#: The CPU backend's linear kernel formats (`engine.kernels.kernel_choice`): timed at load, or pinned.
+LINEAR_KERNELS = ("auto", "packed", "plain", "native")
+#: The CPU backend's decode attention methods (`engine.kernels.attention_choice`): timed at load, or pinned.
+DECODE_ATTENTION = ("auto", "sdpa", "per_head", "block_diagonal", "compiled", "native")
 
 #: ``dtype: auto``: the fastest dtype the device computes in, resolved when an `EngineConfig` is built.
 AUTO_DTYPE = "auto"
@@ -364,9 +368,12 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     cpu_affinity: tuple[int, ...] = ()  # pin this process to these cores (benchmarks on small machines)
     quantization: str | None = None  # None, or "int8": weight-only int8 linear layers (`engine.kernels.quant`)
-    fast_kernels: bool = True  # False: the plain reference forward (F.linear, slot gathers), for tests
-    linear_kernels: str = "auto"  # "auto" (timed at load), "packed"/"plain" (oneDNN) or "native" (C++ kernel)
-    decode_attention: str = "auto"  # "auto" (timed at load), "compiled" (torch.compile) or an eager method
+    # the attention backend (`engine.attention.registry`): "auto", "reference", "cpu" or "torch"
+    backend: str = "auto"
+    cuda_graphs: bool = True  # the torch backend captures decode steps as CUDA graphs (on CUDA only)
+    # the cpu backend's choices: "auto" (timed at load), "packed"/"plain" (oneDNN) or "native" (C++ kernel)
+    linear_kernels: str = "auto"
+    decode_attention: str = "auto"  # the cpu backend's: "auto" (timed at load), "compiled" or an eager method
 
     def __post_init__(self) -> None:
         if self.dtype == AUTO_DTYPE:
@@ -374,6 +381,8 @@ class EngineConfig:
         parse_dtype(self.dtype)
         if self.quantization not in (None, "int8"):
             raise ValueError(f"unknown quantization {self.quantization!r}; expected None or 'int8'")
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; expected 'auto' or one of {sorted(BACKENDS)}")
         if self.linear_kernels not in LINEAR_KERNELS:
             raise ValueError(f"unknown linear_kernels {self.linear_kernels!r}; expected one of {LINEAR_KERNELS}")
         if self.decode_attention not in DECODE_ATTENTION:

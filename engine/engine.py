@@ -39,7 +39,7 @@ TIMING_LOCK = default_cache_dir().parent / "kernel-timing.lock"
 def timing_lock(config: EngineConfig) -> AbstractContextManager[None]:
     """Engines on one CPU machine build one at a time: replicas starting together would otherwise
     time their kernel choices against each other's load and pick by chance (on GPUs: no lock)."""
-    if config.torch_device.type != "cpu" or not config.fast_kernels:
+    if config.torch_device.type != "cpu" or config.backend not in ("auto", "cpu"):
         return nullcontext()
     return file_lock(TIMING_LOCK)
 
@@ -107,20 +107,15 @@ class Engine:
         mcfg = ModelConfig.from_dir(model_dir)
         log_dtype(mcfg.checkpoint_dtype, config)
         max_len = min(config.max_model_len or mcfg.max_context, mcfg.max_context)
-        weights = load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device,
-                               keep_int8=config.quantization == "int8")
         with timing_lock(config):  # kernel timings and compiles, not disturbed by another engine's
-            model = build_model(mcfg, weights, max_len, config)
+            # the loaded weights are the model's alone: a backend that reformats them frees them as it goes
+            model = build_model(mcfg, load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device,
+                                                   keep_int8=config.quantization == "int8"), max_len, config)
             cache = KVCache.allocate(
                 mcfg, config.num_blocks, config.block_size, config.torch_dtype, config.device
             )
-            model.warm_up_decode_attention(cache)
-        if model.kernel_choices:
-            summary = "; ".join(c.summary() for c in model.kernel_choices)
-            log.info("linear kernels (%s): %s; %.0f MB of plain weights kept beside packed ones",
-                     config.linear_kernels, summary, model.extra_weight_nbytes() / 1e6)
-        if model.attention_choice is not None:
-            log.info("decode attention (%s): %s", config.decode_attention, model.attention_choice.summary())
+            model.attention.warm_up(model, cache)
+        log.info("attention backend %s", model.attention.describe())
         pool = BlockPool(config.num_blocks, config.block_size, enable_prefix_cache=config.enable_prefix_cache)
         return cls(
             model_config=mcfg,

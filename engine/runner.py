@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.ops import PagedDecodeMeta
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.kv_cache import KVCache
 from engine.model.model import LlamaModel
@@ -102,7 +101,7 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        ctx_blocks: list[torch.Tensor | None] = []
+        tables: list[torch.Tensor] = []
         seq_lens: list[int] = []
         prompt_lens: list[int] = []
         starts: list[int] = []
@@ -118,9 +117,7 @@ class ModelRunner:
             table = list(c.block_table[:need])
             positions.extend(range(c.start_pos, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start_pos, end))
-            ctx_blocks.append(
-                torch.tensor(table, dtype=torch.long, device=self.device) if c.start_pos > 0 else None
-            )
+            tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
             tokens.extend(c.token_ids)
             seq_lens.append(n)
             prompt_lens.append(end if c.prompt_len is None else c.prompt_len)
@@ -134,7 +131,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             prompt_lens=prompt_lens,
             start_positions=starts,
-            context_blocks=ctx_blocks,
+            block_tables=tables,
             logits_index=(
                 torch.arange(total, device=self.device)
                 if all_logits
@@ -145,9 +142,9 @@ class ModelRunner:
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
         """One decode step for every sequence. Returns fp32 logits ``[len(seqs), vocab]``.
 
-        Rows run sorted by context length, in groups each padded only to its own longest context
-        (`group_by_length`), then the logits are put back in the caller's order (a normal tensor,
-        not an inference-mode one: callers may modify it in place).
+        Rows run sorted by context length (backends may group similar lengths), then the logits are
+        put back in the caller's order (a normal tensor, not an inference-mode one: callers may
+        modify it in place).
         """
         if not seqs:
             raise ValueError("decode of an empty batch")
@@ -180,7 +177,7 @@ class ModelRunner:
             out[rest] = self.decode([seqs[i] for i in rest])
         return out
 
-    @torch.inference_mode()  # the step's tensors match the model's (guards of `engine.kernels.compiled_attention`)
+    @torch.inference_mode()  # the step's tensors match the model's (a compiled kernel's guards read it)
     def _decode_sorted(self, seqs: Sequence[DecodeSeq]) -> tuple[torch.Tensor, list[int]]:
         bs = self.block_size
         needs = [self._check_table(s.block_table, s.position) for s in seqs]
@@ -192,43 +189,13 @@ class ModelRunner:
         rows = [[*s.block_table[:need], *([0] * (n_blocks - need))] for s, need in zip(seqs, needs, strict=True)]
         pos_list = [s.position for s in seqs]
         slots = [row[p // bs] * bs + p % bs for row, p in zip(rows, pos_list, strict=True)]
-        positions = torch.tensor(pos_list, dtype=torch.long, device=self.device)  # [B]
-        cols = torch.arange(n_blocks * bs, device=self.device)  # [L]
-        bias = torch.zeros((len(seqs), 1, n_blocks * bs), dtype=torch.float32, device=self.device)
-        bias.masked_fill_((cols.unsqueeze(0) > positions.unsqueeze(1)).unsqueeze(1), float("-inf"))
-        table = torch.tensor(rows, dtype=torch.long, device=self.device)  # [B, n_blocks]
-        groups = []
-        for lo, hi in group_by_length(needs):
-            nb = needs[hi - 1]
-            groups.append(
-                PagedDecodeMeta(
-                    block_ids=table[lo:hi, :nb].reshape(-1), bias=bias[lo:hi, :, : nb * bs].contiguous(),
-                    batch=hi - lo, n_blocks=nb, lengths=positions[lo:hi] + 1,
-                )
-            )
         batch = DecodeBatch(
             token_ids=torch.tensor([s.token_id for s in seqs], dtype=torch.long, device=self.device),
-            positions=positions,
+            positions=torch.tensor(pos_list, dtype=torch.long, device=self.device),
             slots=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_table=table,
-            bias=bias,  # [B, 1, L]
-            groups=groups,
+            block_table=torch.tensor(rows, dtype=torch.long, device=self.device),  # [B, n_blocks]
+            context_lens=[p + 1 for p in pos_list],
+            row_blocks=needs,
         )
         return self.model.decode(batch, self.cache), order
 
-
-def group_by_length(needs: Sequence[int], max_groups: int = 4, slack: float = 2.0) -> list[tuple[int, int]]:
-    """Split ascending block counts into consecutive ranges ``[lo, hi)``.
-
-    A new range starts where a row needs more than ``slack`` × the blocks of its range's first row
-    (the padding it would cost the short rows beats the cost of one more attention call), at most
-    ``max_groups`` ranges.
-    """
-    ranges: list[tuple[int, int]] = []
-    lo = 0
-    for i in range(1, len(needs)):
-        if needs[i] > slack * needs[lo] and len(ranges) < max_groups - 1:
-            ranges.append((lo, i))
-            lo = i
-    ranges.append((lo, len(needs)))
-    return ranges

@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_cache import KVCache
 from engine.loading.weights import load_weights
-from engine.model.model import LlamaModel
+from engine.model.model import build_model
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from loadtests import machine as mach
 from loadtests.int8_accuracy import int8_accuracy, prompt_ids, text_ids
@@ -190,10 +190,10 @@ def run_dtype(eng: Engine, limits: dict[str, float], sizes: Sizes, repeats: int,
     # The floor's bandwidth again, timed between the decode steps themselves (`bench_decode`).
     probe = mach.MatvecProbe(eng.config.torch_dtype, 1024, 1024) if sizes is QUICK else mach.MatvecProbe(
         eng.config.torch_dtype)
+    report = model.attention.report()
     out: dict[str, Any] = {"dtype": eng.config.dtype, "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok,
-                           "linear_kernels": [asdict(c) for c in model.kernel_choices],
-                           "decode_attention": asdict(model.attention_choice) if model.attention_choice else None,
-                           "prefill": [], "decode": []}
+                           "backend": report["backend"], "linear_kernels": report.get("linear_kernels", []),
+                           "decode_attention": report.get("decode_attention"), "prefill": [], "decode": []}
     for n in sizes.prefill:
         t = bench_prefill(eng, runner, n, repeats)
         gflops = useful_flops(eng, n) / t / 1e9
@@ -230,7 +230,8 @@ def run_int8(eng: Engine, base_run: dict[str, Any], sizes: Sizes, repeats: int, 
              ) -> dict[str, Any]:
     """int8 (bf16 activations) next to the unquantized engine ``eng``, sharing its cache."""
     cfg, dtype = eng.model_config, eng.config.torch_dtype
-    model = LlamaModel(cfg, load_weights(eng.model_dir, cfg, dtype), eng.max_model_len, quantization="int8")
+    model = build_model(cfg, load_weights(eng.model_dir, cfg, dtype), eng.max_model_len,
+                        replace(eng.config, quantization="int8"))
     q8 = ModelRunner(model, eng.cache)
     out: dict[str, Any] = {"base_dtype": eng.config.dtype, "weight_bytes": model.weight_nbytes(),
                            "base_weight_bytes": base_run["weight_bytes"], "decode": []}
@@ -244,7 +245,7 @@ def run_int8(eng: Engine, base_run: dict[str, Any], sizes: Sizes, repeats: int, 
     if dtype != torch.float32:
         cfg32 = load_weights(eng.model_dir, cfg, torch.float32)
         need = max(len(p) for p in prompt_ids(eng, 24)) + sizes.gen_tokens + len(text_ids(eng))
-        fp32 = ModelRunner(LlamaModel(cfg, cfg32, eng.max_model_len),
+        fp32 = ModelRunner(build_model(cfg, cfg32, eng.max_model_len, replace(eng.config, dtype="float32")),
                            KVCache.allocate(cfg, eng.blocks_for(need), eng.block_size, torch.float32))
     out["accuracy"] = int8_accuracy(eng, eng.runner, q8, sizes.gen_tokens, fp32)
     if with_profile:

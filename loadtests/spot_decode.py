@@ -7,13 +7,14 @@ medians. Writes results/engine_spot.json. The full benchmark is `make bench-engi
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loading.weights import load_weights
-from engine.model.model import LlamaModel
+from engine.model.model import build_model
 from engine.runner import ModelRunner
 from loadtests import bench_engine as be
 from loadtests import machine as mach
@@ -45,13 +46,14 @@ for dt in ("float32", "bfloat16"):
     d = {"b1_step_ms": r["x"] * 1e3, "weight_bytes": wb, "matvec_gbs": bw, "matvec_best_gbs": best,
          "vs_floor_best_bw": r["x"] / (wb / best / 1e9), "vs_floor_torch_bw": r["x"] / (wb / bw["torch"] / 1e9),
          "hf_b1_step_ms": hf * 1e3, "vs_transformers_b1": hf / r["x"],
-         "kernels": {c.name: c.format for c in eng.runner.model.kernel_choices}}
+         "kernels": eng.runner.model.attention.report()}
     if dt == "float32":
         d["b32_ctx1024_step_ms"] = be.bench_decode(eng, {"x": eng.runner}, 32, 1024, 3)["x"] * 1e3
     else:
         cfg = eng.model_config
         weights = load_weights(eng.model_dir, cfg, torch.bfloat16)
-        q8 = ModelRunner(LlamaModel(cfg, weights, eng.max_model_len, quantization="int8"), eng.cache)
+        q8 = ModelRunner(build_model(cfg, weights, eng.max_model_len, replace(eng.config, quantization="int8")),
+                         eng.cache)
         t = be.bench_decode(eng, {"base": eng.runner, "int8": q8}, 1, 256, 9)
         d["int8_b1_step_ms"], d["int8_vs_bf16"] = t["int8"] * 1e3, t["int8"] / t["base"]
     out[dt] = d

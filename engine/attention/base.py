@@ -81,6 +81,20 @@ class AttentionSpec:
         return q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
 
 
+def prefill_call_lengths(spec: AttentionSpec, batch: PrefillBatch) -> torch.Tensor | None:
+    """[T] each token's forward-call length for a length-dependent RoPE (its whole prompt's, as
+    transformers' one prefill call), else None."""
+    if not spec.length_dependent:
+        return None
+    return torch.repeat_interleave(torch.tensor(batch.prompt_lens, device=spec.device),
+                                   torch.tensor(batch.seq_lens, device=spec.device))
+
+
+def decode_call_lengths(spec: AttentionSpec, batch: DecodeBatch) -> torch.Tensor | None:
+    """[B] a decode token at position p is its own forward call of p + 1 tokens (transformers' step)."""
+    return batch.positions + 1 if spec.length_dependent else None
+
+
 class AttentionBackend(ABC):
     """RoPE, KV store and attention over the paged cache for one engine (see the module docstring).
 
@@ -102,6 +116,7 @@ class AttentionBackend(ABC):
 
     def prepare_model(self, model: LlamaModel) -> None:
         """Swap the model's linear kernels for this backend's formats (default: keep the plain ones)."""
+        return None
 
     @abstractmethod
     def prepare_prefill(self, batch: PrefillBatch, cache: KVCache) -> object:
@@ -121,6 +136,11 @@ class AttentionBackend(ABC):
 
     def warm_up(self, model: LlamaModel, cache: KVCache) -> None:
         """Compile or capture what the first request would otherwise pay for (default: nothing)."""
+        return None
+
+    def report(self) -> dict[str, object]:
+        """The backend and its choices, for benchmark records (JSON-able)."""
+        return {"backend": self.name}
 
     def describe(self) -> str:
         """One line for the load log: the backend and the choices it made."""

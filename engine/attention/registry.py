@@ -17,9 +17,8 @@ import importlib
 import logging
 from typing import TYPE_CHECKING
 
-from engine.attention.base import AttentionBackend, AttentionSpec
-
 if TYPE_CHECKING:
+    from engine.attention.base import AttentionBackend, AttentionSpec
     from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -55,7 +54,7 @@ def pick_backend(spec: AttentionSpec, config: EngineConfig) -> AttentionBackend:
         if (why := cls.unavailable(spec, config)) is not None:
             raise BackendUnavailable(f"attention backend {config.backend!r} cannot run here: {why}")
         return cls(spec, config)
-    reasons = []
+    reasons: list[str] = []
     for name in auto_order(config.device):
         cls = backend_class(name)
         if (why := cls.unavailable(spec, config)) is None:

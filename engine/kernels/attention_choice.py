@@ -34,19 +34,18 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.ops import (
-    DECODE_METHODS,
     GATHERED_METHODS,
     SOFTCAP_METHODS,
     PagedDecodeMeta,
     Workspace,
     paged_decode_attention,
 )
+from engine.config import DECODE_ATTENTION
 from engine.kernels.kernel_choice import best_of_interleaved
 from engine.kernels.native_attention import native_error
 
 log = logging.getLogger(__name__)
 
-DECODE_ATTENTION = ("auto", *DECODE_METHODS)
 SIZES = ((8, 272), (32, 1040))  # (sequences, positions) of the timed steps
 MAX_BUFFER_BYTES = 64 * 2**20  # one layer's K (or V) context at most
 STREAM_BYTES = 256 * 2**20  # the K + V caches of all timed layers together, at least (up to MAX_LAYERS)

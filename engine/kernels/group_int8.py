@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import native_rows
-from engine.kernels.quant import Linear, onednn_packing_available
+from engine.kernels.quant import CpuLinear, onednn_packing_available
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class GroupQuantized:
         return replace(self, gain=gain)
 
 
-class GroupInt8Linear(Linear):
+class GroupInt8Linear(CpuLinear):
     """The kernel of a `GroupQuantized` weight (see the module docstring)."""
 
     tile_bytes = 8 << 20  # the dequantized scratch of one tile of output rows (fp32)

@@ -47,11 +47,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.config import LINEAR_KERNELS
 from engine.kernels.group_int8 import GroupInt8Linear, GroupQuantized, Weight
 from engine.kernels.native_linear import NativeLinear, native_applies, native_linear_error
 from engine.kernels.quant import Linear, PackedLinear, UpcastLinear, make_linear, onednn_applies
 
-LINEAR_KERNELS = ("auto", "packed", "plain", "native")
 TIMED_ROWS = (1, 4, 8, 32)
 WRAPPED = ("upcast", "plain", "int8")  # what "native" wraps (runs its rows beyond max_rows), first that applies
 # How much slower than a class's pick its C++ kernel may be at a row count and still take it: a
@@ -121,7 +121,7 @@ def formats(w0: torch.Tensor, quantization: str | None) -> dict[str, Builder]:
         out = {fmt: functools.partial(lambda w, b, fmt: PackedLinear(w, b, fmt=fmt), fmt=fmt)
                for fmt in PackedLinear.FORMATS}
     else:
-        out = {"plain": lambda w, b: make_linear(w, b, fast=False)}
+        out = {"plain": lambda w, b: make_linear(w, b)}
         if w0.dtype == torch.bfloat16 and w0.device.type == "cpu":  # no bf16 matmul kernels here
             out["upcast"] = UpcastLinear
     if w0.device.type == "cpu" and native_linear_error() is None:

@@ -31,7 +31,8 @@ QUANTIZATION_MODES = ("int8",)
 
 
 class Linear:
-    """Reference kernel: the weight as loaded, ``F.linear``. Also the base of the fast kernels."""
+    """Reference kernel: the weight as loaded, ``F.linear``, torch ops only (any device). Also the
+    base of the CPU kernels (`CpuLinear`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight  # [out, in]
@@ -50,14 +51,24 @@ class Linear:
         return y if residual is None else residual + y
 
     def normed(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm of x without a gain (the fast path folds it into the weight), then this kernel:
-        x [T, in] → [T, out]. The norm is one C++ pass (`engine.kernels.native_rows`); `engine.kernels.native_linear`
-        fuses it into the product itself."""
+        """RMSNorm of x without a gain (a folded kernel carries it in its weight), then this kernel:
+        x [T, in] → [T, out]."""
+        return self(F.rms_norm(x, (x.shape[-1],), None, eps))
+
+    def glu(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up of ``gate_up [T, 2 * in]`` (transformers' ops), then this kernel (+ residual)."""
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, in] each
+        return self(F.silu(gate) * up, residual)
+
+
+class CpuLinear(Linear):
+    """`Linear` with its prologues (gain-less RMSNorm, silu(gate) * up) as one C++ pass each
+    (`engine.kernels.native_rows`, torch ops where it does not build): the base of the CPU kernels."""
+
+    def normed(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         return self(native_rows.rms_norm(x, eps))
 
     def glu(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """silu(gate) * up of ``gate_up [T, 2 * in]`` (`engine.kernels.native_rows`), then this kernel
-        (+ residual) → [T, out]."""
         return self(native_rows.glu(gate_up), residual)
 
 
@@ -73,7 +84,7 @@ def onednn_packing_available(dtype: torch.dtype) -> bool:
         return False
 
 
-class PackedLinear(Linear):
+class PackedLinear(CpuLinear):
     """oneDNN inner product (residual add fused as a post-op), in one of two weight formats.
 
     - ``"packed"``: the weight is reordered once into oneDNN's blocked layout (``self.weight`` is
@@ -145,7 +156,7 @@ class PackedLinear(Linear):
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
 
 
-class UpcastLinear(Linear):
+class UpcastLinear(CpuLinear):
     """bf16 weight on a CPU without bf16 matmul kernels (no AVX-512 BF16/AVX-NE-CONVERT: oneDNN cannot
     prepack it, and ``F.linear`` in bf16 ran at ~18 GFLOP/s on a 2-core AVX2 EPYC where fp32 ran at
     ~140): ``upcast_min_rows`` rows or more run in fp32 on a copy of the weight upcast for the
@@ -183,7 +194,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (q.float() * scale[:, None]).to(dtype)
 
 
-class Int8Linear(Linear):
+class Int8Linear(CpuLinear):
     """Weight-only int8: int8 weight + per-channel scales; activations are computed in bf16.
 
     Up to ``int8_mm_max_rows`` rows (decode): ``aten._weight_int8pack_mm`` reads the int8 weight
@@ -254,4 +265,4 @@ def make_linear(
         return Int8Linear(weight, bias)
     if onednn_applies(weight, fast):
         return PackedLinear(weight, bias, fmt=fmt)
-    return Linear(weight, bias)
+    return CpuLinear(weight, bias) if fast else Linear(weight, bias)

@@ -16,9 +16,9 @@ from decode_worker.types import DecodeRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import generate
+from engine.sampling import sampler as sampling
 from engine.sampling.grammar import GrammarError, GrammarSpec
 from engine.sampling.sampler import SamplingParams
-from engine.sampling import sampler as sampling
 from engine.tokenizer import Tokenizer
 from prefill_worker.types import PrefillRequest
 from tests.support.inprocess_pd import EOS, collect, make_colocated, make_pd, run_both_modes

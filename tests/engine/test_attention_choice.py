@@ -110,9 +110,9 @@ def test_unknown_method_is_refused() -> None:
 def test_engine_config_reaches_the_model(tmp_path: Path) -> None:
     path = make_tiny("llama", tmp_path / "m", seed=3)
     eng = Engine.from_dir(path, EngineConfig(num_blocks=16, decode_attention="block_diagonal"))
-    assert eng.runner.model.attention_choice == AttentionChoice("block_diagonal")
-    ref = Engine.from_dir(path, EngineConfig(num_blocks=16, fast_kernels=False))
-    assert ref.runner.model.attention_choice is None
+    assert eng.runner.model.attention.choice == AttentionChoice("block_diagonal")  # type: ignore[attr-defined]
+    ref = Engine.from_dir(path, EngineConfig(num_blocks=16, backend="reference"))
+    assert not hasattr(ref.runner.model.attention, "choice")
 
 
 @needs_cxx

@@ -1,4 +1,4 @@
-"""Every fast path against the plain reference path (``fast=False``) on tiny random models.
+"""Every path of the ``cpu`` backend against the ``reference`` backend on tiny random models.
 
 The reference path is the one `test_model_oracle` holds to transformers at 1e-4; here the fast
 path (prepacked oneDNN or native linears with folded norm gains, fused norms, GLU and residuals,
@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention.ops import PagedDecodeMeta, Workspace, decode_attention, paged_decode_attention
 from engine.attention import ops as attention
-from engine.config import ModelConfig
+from engine.attention.ops import PagedDecodeMeta, Workspace, decode_attention, paged_decode_attention
+from engine.config import EngineConfig, ModelConfig
 from engine.kernels.quant import Linear, PackedLinear, make_linear, onednn_packing_available
 from engine.kv_cache import KVCache
 from engine.loading.weights import load_weights
-from engine.model.model import LlamaModel
+from engine.model.model import build_model
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from tests.support.markers import needs_cxx
 from tests.support.models import make_tiny
@@ -39,8 +39,9 @@ def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 def runner(path: Path, dtype: torch.dtype, fast: bool, quantization: str | None = None,
            kernels: str = "auto", decode_attention: str = "auto") -> ModelRunner:
     cfg = ModelConfig.from_dir(path)
-    model = LlamaModel(cfg, load_weights(path, cfg, dtype), 256, fast=fast, quantization=quantization,
-                       linear_kernels=kernels, decode_attention=decode_attention)
+    config = EngineConfig(backend="cpu" if fast else "reference", quantization=quantization, linear_kernels=kernels,
+                          decode_attention=decode_attention)
+    model = build_model(cfg, load_weights(path, cfg, dtype), 256, config)
     return ModelRunner(model, KVCache.allocate(cfg, 64, BLOCK, dtype))
 
 
@@ -255,6 +256,6 @@ def test_eager_rope_and_store_match_reference(tiny_dir: Path) -> None:
     """The fast path without the native RoPE + cache store (no compiler): roll/addcmul and write_kv."""
     ref = scenario(runner(tiny_dir, torch.float32, fast=False))
     r = runner(tiny_dir, torch.float32, fast=True, kernels="packed", decode_attention="block_diagonal")
-    r.model.native_rope = False
+    r.model.attention.native_rope = False  # type: ignore[attr-defined]
     for a, b in zip(scenario(r), ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

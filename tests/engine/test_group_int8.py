@@ -109,13 +109,13 @@ def test_q8_0_gguf_loads_into_int8_kernels_from_the_yaml(tmp_path: Path, family:
     config = cluster.decode_worker_config().engine
     assert config.quantization == "int8"
     q8 = Engine.load(str(tmp_path / "m.gguf"), config, cache_dir=tmp_path / "cache")
-    ref = Engine.load(str(tmp_path / "m.gguf"), EngineConfig(dtype="float32", fast_kernels=False),
+    ref = Engine.load(str(tmp_path / "m.gguf"), EngineConfig(dtype="float32", backend="reference"),
                       cache_dir=tmp_path / "cache")
     model = q8.runner.model
-    kernels = [k for lk in model.layers for k in (lk.qkv, lk.o_proj, lk.gate_up, lk.down)] + [model.lm_head]
+    kernels = [k for lk in model.layers for k in lk.linears()] + [model.head.kernel]
     assert all(isinstance(k, NativeLinear) == native for k in kernels)
     assert all(isinstance(k.base if isinstance(k, NativeLinear) else k, GroupInt8Linear) for k in kernels)
-    assert {c.format if c.format != "native" else c.wraps for c in model.kernel_choices} == {"int8_group"}
+    assert {c.format if c.format != "native" else c.wraps for c in model.attention.kernel_choices} == {"int8_group"}
     assert model.weight_nbytes() < 0.3 * ref.runner.model.weight_nbytes()
     tol = 1e-3 if native else 1e-4
     ids = torch.randint(3, len(TOKENS), (40,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -140,8 +140,8 @@ def test_q8_0_decode_step_runs_as_one_native_call(tmp_path: Path, dtype: torch.d
                                                                    quantization="int8", decode_attention="native"),
                            cache_dir=tmp_path / "cache") for _ in range(2)]
     one_call, per_layer = (e.runner for e in engines)
-    assert one_call.model.native_step is not None, one_call.model.native_step_error
-    per_layer.model.native_step = None
+    assert one_call.model.attention.native_step is not None, one_call.model.attention.native_step_error
+    per_layer.model.attention.native_step = None
     ids = torch.randint(3, len(TOKENS), (21,), generator=torch.Generator().manual_seed(2)).tolist()
     tables = [[5, 9], [3, 7]]
     for r in (one_call, per_layer):

@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kernels.kernel_choice import TIMED_ROWS, build_linears, formats, time_formats
 from engine.kernels.native_linear import NativeLinear, native_linear_error
-from engine.kernels.quant import Int8Linear, Linear, PackedLinear, UpcastLinear, onednn_packing_available
+from engine.kernels.quant import CpuLinear, Int8Linear, Linear, PackedLinear, UpcastLinear, onednn_packing_available
 from tests.support.markers import needs_cxx
 from tests.support.models import make_tiny
 
@@ -195,7 +195,7 @@ def test_the_fewest_rows_go_native_where_it_beats_the_chosen_kernel_there(monkey
     assert choice is not None and (choice.format, choice.native_max_rows, choice.wraps) == ("native", 1, "plain")
     x = torch.randn(2, 24).bfloat16()
     for k, w in zip(kernels, ws, strict=True):
-        assert isinstance(k, NativeLinear) and type(k.base) is Linear and k.extra_nbytes == 0
+        assert isinstance(k, NativeLinear) and type(k.base) is CpuLinear and k.extra_nbytes == 0
         assert torch.equal(k(x), F.linear(x, w))  # 2 rows: plain F.linear, as before
 
 
@@ -226,10 +226,10 @@ def test_unknown_mode_is_refused() -> None:
 def test_engine_config_reaches_the_model(tmp_path: Path) -> None:
     path = make_tiny("llama", tmp_path / "m", seed=3)
     eng = Engine.from_dir(path, EngineConfig(num_blocks=16, linear_kernels="plain"))
-    choices = eng.runner.model.kernel_choices
+    choices = eng.runner.model.attention.kernel_choices  # type: ignore[attr-defined]
     assert [c.name for c in choices] == ["qkv", "o_proj", "gate_up", "down", "lm_head"]
     assert {c.format for c in choices} == {"plain"}
     q8 = Engine.from_dir(path, EngineConfig(num_blocks=16, dtype="bfloat16", quantization="int8"))
-    lm_head = q8.runner.model.lm_head  # int8, run by its own kernel or, where the timed choice says so, the C++ one
-    assert q8.runner.model.quantization == "int8"
+    lm_head = q8.runner.model.head.kernel  # int8, run by its own kernel or, where the timed choice says so, the C++ one
+    assert q8.runner.model.attention.config.quantization == "int8"
     assert isinstance(lm_head.base if isinstance(lm_head, NativeLinear) else lm_head, Int8Linear)

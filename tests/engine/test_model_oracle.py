@@ -189,7 +189,7 @@ def test_bad_input_errors(tmp_path: Path) -> None:
 
 
 def test_group_by_length() -> None:
-    from engine.runner import group_by_length
+    from engine.attention.cpu_decode import group_by_length
 
     assert group_by_length([4]) == [(0, 1)]
     assert group_by_length([2, 2, 3, 4]) == [(0, 4)]

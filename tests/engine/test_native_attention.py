@@ -41,8 +41,8 @@ def test_batched_decode_of_a_native_engine_matches_the_reference_engine(tmp_path
     path = make_tiny("llama", tmp_path / "m", seed=5, num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
     cfg = dict(num_blocks=64, block_size=8, dtype=dtype)
     fast = Engine.from_dir(path, EngineConfig(**cfg, decode_attention="native"))  # type: ignore[arg-type]
-    ref = Engine.from_dir(path, EngineConfig(**cfg, fast_kernels=False))  # type: ignore[arg-type]
-    assert fast.runner.model.attention_choice is not None and fast.runner.model.attention_choice.method == "native"
+    ref = Engine.from_dir(path, EngineConfig(**cfg, backend="reference"))  # type: ignore[arg-type]
+    assert fast.runner.model.attention.choice.method == "native"  # type: ignore[attr-defined]
     lengths = [3, 17, 40, 8, 1]  # several blocks, one block, one position
     logits = {}
     for name, eng in (("fast", fast), ("ref", ref)):

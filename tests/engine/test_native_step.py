@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.attention.cpu import CpuBackend
+from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCache
 from engine.loading.weights import load_weights
-from engine.model.model import LlamaModel
+from engine.model.model import build_model
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from tests.support.markers import needs_cxx
 from tests.support.models import make_tiny
@@ -35,9 +36,15 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def runner(path: Path, dtype: torch.dtype, quantization: str | None = None, kernels: str = "native",
            attention: str = "native") -> ModelRunner:
     cfg = ModelConfig.from_dir(path)
-    model = LlamaModel(cfg, load_weights(path, cfg, dtype), 256, quantization=quantization, linear_kernels=kernels,
-                       decode_attention=attention)
+    config = EngineConfig(backend="cpu", quantization=quantization, linear_kernels=kernels, decode_attention=attention)
+    model = build_model(cfg, load_weights(path, cfg, dtype), 256, config)
     return ModelRunner(model, KVCache.allocate(cfg, 64, BLOCK, dtype))
+
+
+def cpu(r: ModelRunner) -> CpuBackend:
+    backend = r.model.attention
+    assert isinstance(backend, CpuBackend)
+    return backend
 
 
 def decode_steps(r: ModelRunner, batch: int, steps: int = 4) -> list[torch.Tensor]:
@@ -64,8 +71,8 @@ def test_step_equals_the_per_layer_native_path(tiny_dir: Path, dtype: torch.dtyp
                                                batch: int) -> None:
     one_call = runner(tiny_dir, dtype, quantization)
     per_layer = runner(tiny_dir, dtype, quantization)
-    assert one_call.model.native_step is not None, one_call.model.native_step_error
-    per_layer.model.native_step = None
+    assert cpu(one_call).native_step is not None, cpu(one_call).native_step_error
+    cpu(per_layer).native_step = None
     got, want = decode_steps(one_call, batch), decode_steps(per_layer, batch)
     for a, b in zip(got, want, strict=True):
         assert a.dtype == torch.float32 and torch.equal(a, b)
@@ -74,18 +81,18 @@ def test_step_equals_the_per_layer_native_path(tiny_dir: Path, dtype: torch.dtyp
 
 
 def test_used_only_where_the_whole_path_is_native(tiny_dir: Path) -> None:
-    assert runner(tiny_dir, torch.float32).model.native_step is not None
-    assert runner(tiny_dir, torch.float32, attention="auto").model.native_step is not None  # auto may time others
-    pinned = runner(tiny_dir, torch.float32, attention="sdpa").model
+    assert cpu(runner(tiny_dir, torch.float32)).native_step is not None
+    assert cpu(runner(tiny_dir, torch.float32, attention="auto")).native_step is not None  # auto may time others
+    pinned = cpu(runner(tiny_dir, torch.float32, attention="sdpa"))
     assert pinned.native_step is None and "pinned to 'sdpa'" in (pinned.native_step_error or "")
-    packed = runner(tiny_dir, torch.float32, kernels="plain").model
+    packed = cpu(runner(tiny_dir, torch.float32, kernels="plain"))
     assert packed.native_step is None and "not every linear" in (packed.native_step_error or "")
 
 
 def test_every_index_is_checked_before_the_kernel_runs(tiny_dir: Path) -> None:
     r = runner(tiny_dir, torch.float32)
     m, cache = r.model, r.cache
-    step = m.native_step
+    step = cpu(r).native_step
     assert step is not None
     cfg = m.cfg
     slots = cache.k[0].shape[0] * BLOCK

@@ -27,7 +27,8 @@ def hf(tiny_path: Path):
 
 
 def engine(path: Path, fast: bool = True) -> Engine:
-    return Engine.from_dir(path, EngineConfig(num_blocks=64, block_size=16, dtype="float32", fast_kernels=fast))
+    backend = "cpu" if fast else "reference"
+    return Engine.from_dir(path, EngineConfig(num_blocks=64, block_size=16, dtype="float32", backend=backend))
 
 
 def prompt_of(n: int, seed: int) -> list[int]:

@@ -75,7 +75,7 @@ def _runner(path: Path, quantization: str | None) -> ModelRunner:
 def test_int8_model_greedy_agreement_is_high(tiny: Path) -> None:
     """Teacher-forced top-1 agreement with the unquantized bf16 model over fixed random prompts."""
     base, q8 = _runner(tiny, None), _runner(tiny, "int8")
-    lm_head = q8.model.lm_head  # int8, run by its own kernel or, where the timed choice says so, the C++ one
+    lm_head = q8.model.head.kernel  # int8, run by its own kernel or, where the timed choice says so, the C++ one
     assert isinstance(q8.model, LlamaModel)
     assert isinstance(lm_head.base if isinstance(lm_head, NativeLinear) else lm_head, Int8Linear)
     assert q8.model.weight_nbytes() < 0.6 * base.model.weight_nbytes()

@@ -35,7 +35,7 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine() -> EngineConfig:
-    return EngineConfig(num_blocks=64, block_size=16, fast_kernels=False)
+    return EngineConfig(num_blocks=64, block_size=16, backend="reference")
 
 
 async def test_a_colocated_replica_serves_then_drains(chat_model: Path) -> None:

@@ -45,7 +45,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0},
                                 "max_position_embeddings": THRESHOLD}),
 }
-PATHS = ("native", "eager", "reference")  # the native RoPE + store, the eager fast path, fast=False
+PATHS = ("native", "eager", "reference")  # cpu backend: native RoPE + store, or eager; the reference backend
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -63,9 +63,10 @@ def hf(model_dir: tuple[str, Path]) -> Any:
 
 
 def engine(path: Path, mode: str) -> Engine:
-    eng = Engine.from_dir(path, EngineConfig(num_blocks=64, block_size=8, fast_kernels=mode != "reference"))
+    backend = "reference" if mode == "reference" else "cpu"
+    eng = Engine.from_dir(path, EngineConfig(num_blocks=64, block_size=8, backend=backend))
     if mode == "eager":
-        eng.runner.model.native_rope, eng.runner.model.native_step = False, None
+        eng.runner.model.attention.native_rope, eng.runner.model.attention.native_step = False, None
     return eng
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-from engine.sampling.sampler import SamplerState, SamplingParams, bias_and_min_tokens, penalties, sample
 from engine.sampling import sampler as sampling
+from engine.sampling.sampler import SamplerState, SamplingParams, bias_and_min_tokens, penalties, sample
 
 pytestmark = pytest.mark.timeout(60)
 V = 50

@@ -18,9 +18,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from engine.sampling import draw as sampling_draw
 from engine.sampling.draw import BLOCK, _invert, truncate
 from engine.sampling.sampler import SamplerState, SamplingParams, sample
-from engine.sampling import draw as sampling_draw
 
 pytestmark = pytest.mark.timeout(120)
 V = 50

@@ -38,5 +38,5 @@ def test_a_build_waits_for_the_lock_and_runs_once_it_is_free(tmp_path: Path,
 
 
 def test_no_lock_off_the_cpu_fast_path() -> None:
-    assert isinstance(engine_mod.timing_lock(EngineConfig(fast_kernels=False)), type(engine_mod.nullcontext()))
+    assert isinstance(engine_mod.timing_lock(EngineConfig(backend="reference")), type(engine_mod.nullcontext()))
     assert not isinstance(engine_mod.timing_lock(EngineConfig()), type(engine_mod.nullcontext()))
