@@ -17,7 +17,9 @@ import pytest
 
 from kv_transfer import streams
 from kv_transfer.client import KVPuller, PullerConfig
-from kv_transfer.errors import TransferTimeout
+from kv_transfer.errors import TransferRefused, TransferTimeout
+from kv_transfer.framing import send_message
+from kv_transfer.messages import Pull
 from kv_transfer.outbox import Outbox
 from kv_transfer.server import KVSource, SourceConfig
 from tests.support import fake_cupy
@@ -131,3 +133,22 @@ async def test_staging_memory_stays_within_max_inflight_bytes(
 def test_a_budget_below_one_chunk_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="max_inflight_bytes"):
         KVPuller(SECRET, LAYOUT, PullerConfig(host="127.0.0.1", transport="gloo", max_inflight_bytes=1 << 20))
+
+
+async def test_a_pull_on_a_connection_without_a_pair_is_refused_naming_pair(nccl: None) -> None:
+    """The source never sets a pair up inside a PULL: without PAIR first it refuses, and the
+    handle stays pullable on a connection that has its pair."""
+    async with Pair("nccl") as pd:
+        h = pd.source.offer(None, [1, 2], 2 * LAYOUT.block_size)
+        loop = asyncio.get_running_loop()
+        conn = await pd.puller.peers.connect(pd.source.address, loop.time() + 10)  # authenticated, unpaired
+        try:
+            await send_message(conn.writer, Pull(h.transfer_id, LAYOUT, 2, "nccl"), timeout_s=5)
+            with pytest.raises(TransferRefused, match="PAIR"):
+                await pd.puller.peers.recv(conn, loop.time() + 10)
+        finally:
+            conn.writer.close()
+        assert fake_cupy.STATS["comms"] == 0 and pd.source.outbox.pending() == 1
+        await pd.pull([5, 6], [7, 9])
+        await pd.puller.pull(h, make_cache(LAYOUT, 64), [3, 4])
+        assert fake_cupy.STATS["comms"] == 2
