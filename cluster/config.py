@@ -178,6 +178,7 @@ class KVSection(_Section):
     secret: str | None = Field(default=None, repr=False)  # None: PDSERVE_KV_SECRET, else a random one
     lease_s: float = Field(default=KVTransferConfig.lease_s, gt=0)
     timeout_s: float = Field(default=KVTransferConfig.timeout_s, gt=0)
+    max_inflight_bytes: int = Field(default=KVTransferConfig.max_inflight_bytes, gt=0)  # transfers' staging
 
 
 class LimitsSection(_Section):
@@ -295,7 +296,7 @@ class ClusterConfig(_Section):
     def _kv(self) -> KVTransferConfig:
         k = self.kv
         return KVTransferConfig(transport=k.transport, host=k.host, port=k.port, secret=k.secret or "",
-                                lease_s=k.lease_s, timeout_s=k.timeout_s)
+                                lease_s=k.lease_s, timeout_s=k.timeout_s, max_inflight_bytes=k.max_inflight_bytes)
 
     def prefill_worker_config(self) -> PrefillWorkerConfig:
         p = self.prefill

@@ -43,7 +43,8 @@ class DecodeServer(ReplicaShell):
         if config.mode != "colocated":
             layout = KVLayout.from_model(self.engine.model_config, config.engine.dtype, self.engine.block_size)
             host = config.kv.host or node_address()
-            puller = KVPuller(config.kv.secret.encode(), layout, PullerConfig(host=host, transport=config.kv.transport))
+            puller = KVPuller(config.kv.secret.encode(), layout, PullerConfig(
+                host=host, transport=config.kv.transport, max_inflight_bytes=config.kv.max_inflight_bytes))
             importer = RemoteImporter(puller, timeout_s=config.kv.timeout_s)
         self.worker = DecodeWorker(self.engine, config, importer, self.eos_token_ids, self.replica_id)
         self._started = False

@@ -97,6 +97,10 @@ class RemoteImporter:
         self.puller = puller
         self.timeout_s = timeout_s
 
+    async def meet(self, source: tuple[str, int]) -> None:
+        """Set up the data-plane pair with a prefill replica's KV source now (start-up), not at its first pull."""
+        await self.puller.meet(source)
+
     async def pull(self, handle: KVHandle, cache: KVCache, block_ids: list[int]) -> ImportStats:
         stats = await self.puller.pull(handle, cache, block_ids, timeout_s=self.timeout_s)
         return ImportStats(bytes=stats.nbytes, seconds=stats.seconds)

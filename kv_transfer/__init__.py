@@ -9,11 +9,13 @@ Module map (one concept each):
 - `auth`: the HELLO challenge-response (HMAC-SHA256 over the cluster secret).
 - `outbox`: the prefill side's blocks under lease.
 - `transport` (+ `local`, `gloo`, `nccl`): the data-plane interface, registry and implementations.
-- `streams`: the staging-mode wire order (layer chunks through reusable ring buffers);
-  `blocks`: the direct-mode one (runs of block ids).
+- `streams`: the staging-mode wire order (chunks of layers, or slices of a layer, through reusable
+  ring slots); `staging`: `StagingPool`, those slots' memory, within ``max_inflight_bytes``;
+  `blocks`: the direct-mode order (runs of block ids, in-process only).
 - `blocking`: running blocking work off the event loop; `dataplane`: the worker-thread bodies.
 - `node`: this node's address and id.
-- `server` (`KVSource`, prefill side) and `client` (`KVPuller`, decode side).
+- `server` (`KVSource`, prefill side) and `client` (`KVPuller`, decode side); `peers`: the
+  puller's connections and pairs, set up when replicas meet (PAIR), never inside a pull.
 - `bench`: ``python -m kv_transfer.bench``: pull throughput between two processes.
 """
 

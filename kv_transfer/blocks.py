@@ -1,12 +1,15 @@
 """Which tensors travel in direct mode, and the block-run arithmetic behind it.
 
-Owns: the wire order of direct transfers (the staging mode, gloo / local, is in `streams.py`):
+Owns: the wire order of direct transfers (the staging mode, every other transport, is in `streams.py`):
 
-- direct (``direct = True``, nccl): the destination's block ids are cut into runs of consecutive
+- direct (``direct = True``: ``local-direct``, in one process): the destination's block ids are cut into runs of consecutive
   ids; for each layer, for K then V, for each run, one tensor travels:
   ``[run_len, block_size, kv_heads, head_dim]``, a slice of the gathered tensor on the source and a
   view of the cache (``k[layer][start:start + run_len]``) on the destination, so bytes land
-  straight in the blocks. PULL carries the run lengths so both sides cut identically.
+  straight in the blocks. PULL carries the run lengths so both sides cut identically. The number
+  of tensors grows with the fragmentation of the destination's free list, and the source gathers
+  the whole transfer at once: fine between two ends of one process, never used across processes
+  (nccl and gloo stream, see `streams.py`).
 
 Invariants: both sides produce lists of equal length and pairwise equal shape/dtype, in the order
 above; every tensor is contiguous; nothing here does I/O.

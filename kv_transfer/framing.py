@@ -3,7 +3,9 @@
 Owns: reading and writing one frame / one `Message` with a deadline.
 
 Invariants: a declared length of 0 or above ``max_bytes`` is refused (`CodecError`) before a single
-body byte is read or allocated; every read and write has a timeout (`TransferTimeout`); a peer that
+body byte is read or allocated; every write has a timeout, every read one too (`TransferTimeout`)
+except the wait for the next exchange on an idle connection (``timeout_s=None``: a pair lives
+until its peer dies, which TCP keepalive (`keep_alive`) detects on a silent host); a peer that
 closes at a frame boundary gives `ConnectionClosed("...closed the connection")`, one that closes
 mid-frame `ConnectionClosed("...mid-frame")`. After any error the stream is out of sync: close it.
 """
@@ -11,6 +13,7 @@ mid-frame `ConnectionClosed("...mid-frame")`. After any error the stream is out 
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 
 from kv_transfer.errors import CodecError, ConnectionClosed, TransferError, TransferTimeout
@@ -19,13 +22,13 @@ from kv_transfer.messages import MAX_MESSAGE_BYTES, Message, decode_message, enc
 _HEADER = struct.Struct(">I")
 
 
-async def read_frame(reader: asyncio.StreamReader, *, timeout_s: float,
+async def read_frame(reader: asyncio.StreamReader, *, timeout_s: float | None,
                      max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
     """One frame's body; see the module invariants for the errors."""
     try:
         return await asyncio.wait_for(_read_frame(reader, max_bytes), timeout_s)
     except asyncio.TimeoutError:
-        raise TransferTimeout(f"no complete frame within {timeout_s:.1f}s") from None
+        raise TransferTimeout(f"no complete frame within {timeout_s or 0:.1f}s") from None
 
 
 async def _read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
@@ -63,7 +66,7 @@ async def send_message(writer: asyncio.StreamWriter, msg: Message, *, timeout_s:
     await write_frame(writer, encode_message(msg), timeout_s=timeout_s)
 
 
-async def recv_message(reader: asyncio.StreamReader, *, timeout_s: float,
+async def recv_message(reader: asyncio.StreamReader, *, timeout_s: float | None,
                        max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     try:
         return decode_message(await read_frame(reader, timeout_s=timeout_s, max_bytes=max_bytes))
@@ -71,3 +74,18 @@ async def recv_message(reader: asyncio.StreamReader, *, timeout_s: float,
         raise
     except OSError as e:
         raise ConnectionClosed(f"connection lost while receiving: {e}") from None
+
+
+#: TCP keepalive: idle seconds before the first probe, seconds between probes, probes before "dead".
+KEEPALIVE = (30, 10, 3)
+
+
+def keep_alive(writer: asyncio.StreamWriter) -> None:
+    """Turn on TCP keepalive, so a long-lived control connection to a dead host ends (and its pair)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE, strict=True):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)

@@ -133,7 +133,7 @@ class GlooTransport(KVTransport):
         previous chunk's send completed."""
         pg, peer, wait = self._group(), _PEER[self.rank], self._waiter("send", timeout_s)
         try:
-            header = _header([stream.buffer(0)] * stream.count)
+            header = _header([stream.buffer(i) for i in range(stream.count)])
             pending = {-1: pg.send([header], peer, 0)}
             for i in range(stream.count):
                 if i >= stream.window:
@@ -150,7 +150,7 @@ class GlooTransport(KVTransport):
         """Keep ``window`` receives posted; drain chunk i while chunks i+1.. arrive."""
         pg, peer, wait = self._group(), _PEER[self.rank], self._waiter("recv", timeout_s)
         try:
-            header = _header([stream.buffer(0)] * stream.count)
+            header = _header([stream.buffer(i) for i in range(stream.count)])
             theirs = torch.empty_like(header)
             wait(pg.recv([theirs], peer, 0))
             _check_header(theirs, header)

@@ -1,7 +1,7 @@
 """In-process transports: the same-process fast path and the test double of the real ones.
 
 Owns: `LocalTransport` (``local``: the destination receives into a staging tensor, like gloo) and
-`LocalDirectTransport` (``local-direct``: receives straight into the cache's blocks, like nccl), both
+`LocalDirectTransport` (``local-direct``: receives straight into the cache's blocks), both
 over a `_Channel` kept in a process-wide table under a random token.
 
 Invariants: the same contract as every `KVTransport` (see `transport.py`; the contract tests run this

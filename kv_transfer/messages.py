@@ -6,9 +6,12 @@ the MACs, `server.py` / `client.py` the behaviour:
     ← CHALLENGE{version, node_id, nonce}              server speaks first
     → HELLO{version, node_id, nonce, timestamp, mac}  client proves it knows the cluster secret
     ← WELCOME{node_id, mac}                           server proves it too (or ERROR{auth}, close)
+    once, when the replicas meet (before any PULL; never inside a transfer):
+    → PAIR{transport, transport_info}                 the destination's end of the data-plane pair
+    ← PAIR_READY{transport_info}                      the source's offer (or ERROR); both open the pair
     then, any number of times, one at a time:
-    → PULL{transfer_id, dst_layout, n_blocks, transport, transport_info, dst_runs}
-    ← PULL_READY{transfer_id, n_tokens, n_blocks, nbytes, transport_info | nil}   (or ERROR)
+    → PULL{transfer_id, dst_layout, n_blocks, transport, dst_runs}
+    ← PULL_READY{transfer_id, n_tokens, n_blocks, nbytes}   (or ERROR; refused without a pair)
       ... data plane: the source sends, the destination receives ...
     → DONE{transfer_id, nbytes, seconds}
     ← ACK{transfer_id}                                the source has freed the blocks
@@ -32,7 +35,7 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.transport import TransportInfo
 from kv_transfer.wire import ID_RE, NAME_RE, Fields, pack, unpack_map
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: pairs are set up by PAIR when replicas meet, never inside a PULL
 MAX_MESSAGE_BYTES = 1 << 20
 NONCE_BYTES = 32
 MAC_BYTES = 32
@@ -67,13 +70,25 @@ class Welcome:
 
 
 @dataclass(frozen=True)
+class Pair:
+    TYPE: ClassVar[str] = "pair"
+    transport: str
+    transport_info: TransportInfo  # the destination's end (e.g. its GPU)
+
+
+@dataclass(frozen=True)
+class PairReady:
+    TYPE: ClassVar[str] = "pair_ready"
+    transport_info: TransportInfo  # the source's offer: both ends open the pair with it
+
+
+@dataclass(frozen=True)
 class Pull:
     TYPE: ClassVar[str] = "pull"
     transfer_id: str
     dst_layout: KVLayout
     n_blocks: int  # what the destination reserved for it: must equal ceil(n_tokens / block_size)
     transport: str
-    transport_info: TransportInfo  # the destination's end (e.g. its GPU) for a new pair
     dst_runs: tuple[int, ...] | None = None  # direct transports: lengths of consecutive-id runs
 
 
@@ -84,7 +99,6 @@ class PullReady:
     n_tokens: int
     n_blocks: int
     nbytes: int
-    transport_info: TransportInfo | None  # set when the pair is new and must be opened first
 
 
 @dataclass(frozen=True)
@@ -120,7 +134,7 @@ class Error:
             object.__setattr__(self, "reason", self.reason[: _MAX_REASON - 3] + "...")
 
 
-Message = Challenge | Hello | Welcome | Pull | PullReady | Done | Release | Ack | Error
+Message = Challenge | Hello | Welcome | Pair | PairReady | Pull | PullReady | Done | Release | Ack | Error
 
 
 def encode_message(msg: Message) -> bytes:
@@ -174,18 +188,15 @@ def _parse_pull(f: Fields) -> Pull:
     runs = None if f.is_nil("dst_runs") else f.get_ints("dst_runs", lo=1, hi=MAX_BLOCKS, max_len=65536)
     msg = Pull(transfer_id=_id(f), dst_layout=_layout(f, "dst_layout"),
                n_blocks=_count(f, "n_blocks", MAX_BLOCKS),
-               transport=f.get_str("transport", pattern=NAME_RE, max_len=64),
-               transport_info=TransportInfo.from_wire(f.get_map("transport_info")), dst_runs=runs)
+               transport=f.get_str("transport", pattern=NAME_RE, max_len=64), dst_runs=runs)
     if runs is not None and sum(runs) != msg.n_blocks:
         raise CodecError(f"pull: dst_runs sum to {sum(runs)}, not n_blocks={msg.n_blocks}")
     return msg
 
 
 def _parse_pull_ready(f: Fields) -> PullReady:
-    info = None if f.is_nil("transport_info") else TransportInfo.from_wire(f.get_map("transport_info"))
     return PullReady(transfer_id=_id(f), n_tokens=_count(f, "n_tokens", MAX_TOKENS),
-                     n_blocks=_count(f, "n_blocks", MAX_BLOCKS), nbytes=_count(f, "nbytes", _MAX_BYTES),
-                     transport_info=info)
+                     n_blocks=_count(f, "n_blocks", MAX_BLOCKS), nbytes=_count(f, "nbytes", _MAX_BYTES))
 
 
 _PARSERS: dict[str, Callable[[Fields], Message]] = {
@@ -197,6 +208,9 @@ _PARSERS: dict[str, Callable[[Fields], Message]] = {
                              mac=f.get_bytes("mac", min_len=MAC_BYTES, max_len=MAC_BYTES)),
     "welcome": lambda f: Welcome(node_id=_id(f, "node_id"),
                                  mac=f.get_bytes("mac", min_len=MAC_BYTES, max_len=MAC_BYTES)),
+    "pair": lambda f: Pair(transport=f.get_str("transport", pattern=NAME_RE, max_len=64),
+                           transport_info=TransportInfo.from_wire(f.get_map("transport_info"))),
+    "pair_ready": lambda f: PairReady(transport_info=TransportInfo.from_wire(f.get_map("transport_info"))),
     "pull": _parse_pull,
     "pull_ready": _parse_pull_ready,
     "done": lambda f: Done(transfer_id=_id(f), nbytes=f.get_int("nbytes", lo=0, hi=_MAX_BYTES),

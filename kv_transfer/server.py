@@ -4,21 +4,24 @@ Life cycle of a transfer on the source:
 
     prefill done ─▶ offer(id, blocks, n_tokens) ─▶ Outbox PENDING (lease) ─▶ KVHandle to the router
     decode connects ─▶ CHALLENGE / HELLO / WELCOME (auth.py) ─▶ a pair (this connection)
-    PULL ─▶ layout + transport checks ─▶ take_for_transfer (IN FLIGHT)
-         ─▶ PULL_READY (with the transport offer if the pair is new)
-         ─▶ open the pair if new; send the ceil(n_tokens / block_size) blocks (worker thread,
-            bounded): gathered layer by layer while the wire runs (streams.py), or, for direct
-            transports, gathered at once (run to completion) then sent
+    PAIR ─▶ transport.offer (may refuse) ─▶ PAIR_READY{offer} ─▶ open (worker thread, bounded by
+         ``pair_timeout_s``): the data-plane pair, once per connection, before any transfer
+    PULL ─▶ layout + transport + pair checks ─▶ take_for_transfer (IN FLIGHT) ─▶ PULL_READY
+         ─▶ send the ceil(n_tokens / block_size) blocks (worker thread, bounded): gathered chunk
+            by chunk into staging slots while the wire runs (streams.py), or, for direct
+            transports (in-process only), gathered at once (run to completion) then sent
          ─▶ DONE ─▶ outbox.done (blocks freed) ─▶ ACK
     any failure after take ─▶ outbox.requeue (back under its lease) and the pair is torn down
     RELEASE ─▶ outbox.release ─▶ ACK;  lease runs out ─▶ the expiry task frees the blocks
 
 Invariants: the event loop never blocks (gather/send/open/close run in a dedicated executor);
 transfers on one pair are serialized (one connection = one pair, its handler is sequential and
-holds the pair's lock); different pairs run concurrently; a peer that is slow, silent, garbage or
-unauthenticated costs at most its timeouts (and, before it authenticates, a frame of at most
-`MAX_HELLO_BYTES`) and never affects other pairs; every refusal is an
-``Error`` frame with a reason; blocks are read only while their entry is in flight (the stream is
+holds the pair's lock); different pairs run concurrently; a connection and its pair live until the
+peer closes it or dies (TCP keepalive), or a failure ends them: never torn down for idling; the
+staging memory of all pairs together stays within ``max_inflight_bytes`` (`StagingPool`); a peer
+that is slow, silent, garbage or unauthenticated costs at most its timeouts (and, before it
+authenticates, a frame of at most `MAX_HELLO_BYTES`) and never affects other pairs; every refusal
+is an ``Error`` frame with a reason; blocks are read only while their entry is in flight (the stream is
 cancelled, or the gather ran to completion, before a failed entry is requeued); the control
 connection is read during the data plane, so a destination that dies fails the transfer at once.
 """
@@ -38,19 +41,19 @@ from engine.kv_cache import KVCache
 from kv_transfer.auth import DEFAULT_MAX_SKEW_S, check_secret, make_challenge, make_welcome, verify_hello
 from kv_transfer.blocking import make_executor, run_bounded, run_to_completion
 from kv_transfer.blocks import source_tensors
-from kv_transfer.dataplane import open_and_send, open_and_send_stream
+from kv_transfer.dataplane import open_pair, send_all, send_streamed
 from kv_transfer.errors import AuthError, CodecError, ConnectionClosed, TransferError, TransferRefused
-from kv_transfer.framing import recv_message, send_message
+from kv_transfer.framing import keep_alive, recv_message, send_message
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
-from kv_transfer.messages import Ack, Done, Error, Hello, Message, Pull, PullReady, Release
+from kv_transfer.messages import Ack, Done, Error, Hello, Message, Pair, PairReady, Pull, PullReady, Release
 from kv_transfer.node import default_node_id, node_ip
 from kv_transfer.outbox import Outbox, OutboxStats
-from kv_transfer.streams import BufferPool, GatherStream
+from kv_transfer.staging import StagingPool
+from kv_transfer.streams import GatherStream, min_inflight_bytes
 from kv_transfer.transport import (
     SOURCE_RANK,
     KVTransport,
-    TransportInfo,
     check_transport_available,
     make_transport,
     transport_class,
@@ -71,11 +74,12 @@ class SourceConfig:
     expire_interval_s: float = 1.0
     handshake_timeout_s: float = 10.0  # connect → WELCOME
     io_timeout_s: float = 30.0  # one reply inside an exchange
-    idle_timeout_s: float = 600.0  # between exchanges on a cached connection
-    transfer_timeout_s: float = 60.0  # pair open + send, and the wait for DONE
+    idle_timeout_s: float | None = None  # between exchanges; None: a pair lives until its peer dies
+    pair_timeout_s: float = 60.0  # setting up the data-plane pair (PAIR)
+    transfer_timeout_s: float = 60.0  # one send, and the wait for DONE
     max_connections: int = 256
     max_threads: int = 8
-    buffer_pool_bytes: int = 64 << 20  # reusable ring buffers of the layer streams
+    max_inflight_bytes: int = 64 << 20  # staging buffers of all transfers (StagingPool), lent + idle
     max_clock_skew_s: float = DEFAULT_MAX_SKEW_S
 
 
@@ -91,6 +95,8 @@ class SourceStats:
     failed: int
     auth_failures: int
     outbox: OutboxStats
+    pairs: int = 0  # data-plane pairs set up (PAIR) since start
+    staging_peak_bytes: int = 0  # most staging memory held at once (at most max_inflight_bytes)
 
 
 @dataclass(eq=False)  # identity semantics: pairs live in a set
@@ -120,9 +126,12 @@ class KVSource:
         self._pairs: set[_Pair] = set()
         self._tasks: set[asyncio.Task[object]] = set()
         self._executor = make_executor("kv-source", config.max_threads)  # replaced by each start()
-        self._pool = BufferPool(config.buffer_pool_bytes)
+        if config.max_inflight_bytes < min_inflight_bytes():
+            raise ValueError(f"max_inflight_bytes={config.max_inflight_bytes} is below the "
+                             f"{min_inflight_bytes()} bytes of one staging chunk")
+        self._pool = StagingPool(config.max_inflight_bytes)
         self._port = 0
-        self._n = {"transfers": 0, "bytes": 0, "refused": 0, "failed": 0, "auth": 0}
+        self._n = {"transfers": 0, "bytes": 0, "refused": 0, "failed": 0, "auth": 0, "pairs": 0}
         self._seconds = 0.0
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -186,7 +195,8 @@ class KVSource:
                            transfers=self._n["transfers"], bytes_sent=self._n["bytes"],
                            seconds_sending=self._seconds, refused=self._n["refused"],
                            failed=self._n["failed"], auth_failures=self._n["auth"],
-                           outbox=self.outbox.stats())
+                           outbox=self.outbox.stats(), pairs=self._n["pairs"],
+                           staging_peak_bytes=self._pool.peak_bytes)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -213,10 +223,14 @@ class KVSource:
                 await self._send_error(writer, "busy", f"source has {len(self._pairs)} connections")
                 return
             self._pairs.add(pair)
+            keep_alive(writer)
             await self._handshake(pair, reader, writer)
             while True:
                 msg = await recv_message(reader, timeout_s=self.config.idle_timeout_s)
-                if isinstance(msg, Pull):
+                if isinstance(msg, Pair):
+                    async with pair.lock:
+                        await self._serve_pair(pair, msg, writer)
+                elif isinstance(msg, Pull):
                     async with pair.lock:
                         await self._serve_pull(pair, msg, reader, writer)
                 elif isinstance(msg, Release):
@@ -266,6 +280,29 @@ class KVSource:
         await send_message(writer, make_welcome(self._secret, self.node_id, hello, challenge), timeout_s=timeout)
         pair.peer_id = hello.node_id
 
+    async def _serve_pair(self, pair: _Pair, msg: Pair, writer: asyncio.StreamWriter) -> None:
+        """Set up this connection's data-plane pair: offer, PAIR_READY, open (both ends at once)."""
+        cfg = self.config
+        if pair.transport is not None:
+            return await self._refuse(writer, "-", "this connection already has its pair")
+        if msg.transport != cfg.transport:
+            return await self._refuse(writer, "-", f"source speaks {cfg.transport!r}, pair asked for {msg.transport!r}")
+        transport = make_transport(cfg.transport, SOURCE_RANK, host=self.host, timeout_s=cfg.pair_timeout_s)
+        try:
+            offer = transport.offer(msg.transport_info)  # may refuse (nccl: both ends on one GPU)
+        except TransferRefused as e:
+            transport.close()
+            return await self._refuse(writer, "-", e.reason)
+        except BaseException:
+            transport.close()
+            raise
+        pair.transport = transport  # from here on the teardown closes it
+        await send_message(writer, PairReady(offer), timeout_s=cfg.io_timeout_s)
+        await run_bounded(self._executor, cfg.pair_timeout_s, f"opening the pair with {pair.peer}",
+                          open_pair, transport, offer, cfg.pair_timeout_s)
+        self._n["pairs"] += 1
+        log.info("KV source: %s pair with %s (%s) is open", cfg.transport, pair.peer, pair.peer_id)
+
     async def _serve_pull(self, pair: _Pair, msg: Pull, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
         cfg, tid = self.config, msg.transfer_id
@@ -280,7 +317,6 @@ class KVSource:
         stream: GatherStream | None = None
         try:  # checks that may still refuse: nothing announced yet
             n_blocks = self.layout.blocks_for_tokens(entry.n_tokens)
-            new_offer: TransportInfo | None = None
             transport = pair.transport
             if msg.n_blocks != n_blocks:
                 raise TransferRefused(f"transfer {tid} is {entry.n_tokens} tokens = {n_blocks} blocks, "
@@ -289,15 +325,9 @@ class KVSource:
             if (msg.dst_runs is not None) != direct:
                 raise TransferRefused(f"dst_runs {'missing' if direct else 'given'} for the "
                                       f"{cfg.transport} transport")
-            if transport is None:
-                transport = make_transport(cfg.transport, SOURCE_RANK, host=self.host,
-                                           timeout_s=cfg.transfer_timeout_s)
-                try:
-                    new_offer = transport.offer(msg.transport_info)  # may refuse (nccl on one GPU)
-                except BaseException:
-                    transport.close()
-                    raise
-                pair.transport = transport
+            if transport is None or not transport.is_open:
+                raise TransferRefused(f"no {cfg.transport} pair on this connection: the destination "
+                                      "sets it up (PAIR) when it meets this source, before any pull")
             nbytes = n_blocks * self.layout.block_nbytes
         except TransferRefused as e:
             self.outbox.requeue(tid)
@@ -307,17 +337,17 @@ class KVSource:
             raise
         # Announced: from here on a failure is no refusal; it ends the pair (and the connection).
         try:
-            await send_message(writer, PullReady(tid, entry.n_tokens, n_blocks, nbytes, new_offer),
+            await send_message(writer, PullReady(tid, entry.n_tokens, n_blocks, nbytes),
                                timeout_s=cfg.io_timeout_s)
             t0 = time.monotonic()
             blocks = list(entry.block_ids[:n_blocks])
             timeout = cfg.transfer_timeout_s
             if direct:  # one gather, then the runs (a device-side copy: cheap on a GPU)
                 tensors = await run_to_completion(self._executor, source_tensors, self.cache, blocks, msg.dst_runs)
-                work = functools.partial(open_and_send, transport, new_offer, tensors, timeout)
-            else:  # layer by layer through a small ring, gathering while the wire runs
+                work = functools.partial(send_all, transport, tensors, timeout)
+            else:  # chunk by chunk through a small ring, gathering while the wire runs
                 stream = GatherStream(self.cache, blocks, self._pool)
-                work = functools.partial(open_and_send_stream, transport, new_offer, stream, timeout)
+                work = functools.partial(send_streamed, transport, stream, timeout)
             done = await self._send_and_await_done(pair, tid, work, reader)
             if not isinstance(done, Done) or done.transfer_id != tid:
                 raise TransferError(f"expected done for {tid}, got {done.TYPE}")

@@ -1,17 +1,19 @@
 """The data-plane interface: one `KVTransport` per (source, destination) pair, and the registry.
 
-Life cycle of a pair (the control channel, `server.py` / `client.py`, carries the two infos):
+Life cycle of a pair (the control channel, `server.py` / `client.py`, carries the two infos). A
+pair is set up once, when the two replicas meet (`KVPuller.meet`), never inside a transfer:
 
     destination (rank 1)                           source (rank 0)
     t = make_transport(name, DEST_RANK, ...)
-    PULL{transport_info = t.local_info()}   ──▶    t = make_transport(name, SOURCE_RANK, ...)
+    PAIR{transport_info = t.local_info()}   ──▶    t = make_transport(name, SOURCE_RANK, ...)
                                                    offer = t.offer(peer_info)   # may refuse the pair
-                                            ◀──    PULL_READY{transport_info = offer}
+                                            ◀──    PAIR_READY{transport_info = offer}
     t.open(offer, timeout)  (both block, in worker threads, until the pair is connected)  t.open(offer, timeout)
-    t.recv(into, timeout)                   ◀══    t.send(tensors, timeout)   (once per transfer;
-    or t.recv_stream(sink, timeout)         ◀══    t.send_stream(source, timeout)  chunk by chunk)
+    then per transfer (PULL ... DONE):
+    t.recv_stream(sink, timeout)            ◀══    t.send_stream(source, timeout)  chunk by chunk
+    or t.recv(into, timeout)                ◀══    t.send(tensors, timeout)   (direct transports)
     ...                                            ...
-    t.close()                                      t.close()
+    t.close()  (the peer died, or a failure ended the pair)      t.close()
 
 Invariants every implementation keeps (checked by the shared contract tests):
 - ``send(tensors)`` on rank 0 pairs with ``recv(into)`` on rank 1: same count, and pairwise the same
@@ -121,26 +123,22 @@ class KVTransport(ABC):
         """Destination side: receive into ``into`` (contiguous), pairwise matching the sent tensors."""
 
     def send_stream(self, stream: ChunkSource, timeout_s: float) -> None:
-        """Source side: send ``stream.count`` chunks, each filled (``stream.fill(i)``) just in time.
+        """Source side: send ``stream.count`` chunks in order, each filled (``stream.fill(i)``) just in time.
 
-        Default: one `send` per window of chunks, so the receiver must use the same window (it is a
-        protocol constant); transports with asynchronous ops override this to overlap the fills.
+        Default: one `send` per chunk (so the two ends' windows need not agree); transports with
+        asynchronous ops override this to overlap the fills with the wire.
         """
         deadline = time.monotonic() + timeout_s
-        for base in range(0, stream.count, stream.window):
-            ids = range(base, min(base + stream.window, stream.count))
-            for i in ids:
-                stream.fill(i)
-            self.send([stream.buffer(i) for i in ids], _left(deadline, timeout_s))
+        for i in range(stream.count):
+            stream.fill(i)
+            self.send([stream.buffer(i)], _left(deadline, timeout_s))
 
     def recv_stream(self, stream: ChunkSink, timeout_s: float) -> None:
         """Destination side: receive ``stream.count`` chunks, each drained (``stream.drain(i)``) on arrival."""
         deadline = time.monotonic() + timeout_s
-        for base in range(0, stream.count, stream.window):
-            ids = range(base, min(base + stream.window, stream.count))
-            self.recv([stream.buffer(i) for i in ids], _left(deadline, timeout_s))
-            for i in ids:
-                stream.drain(i)
+        for i in range(stream.count):
+            self.recv([stream.buffer(i)], _left(deadline, timeout_s))
+            stream.drain(i)
 
     @abstractmethod
     def close(self) -> None:
@@ -153,8 +151,9 @@ class KVTransport(ABC):
 
 
 class ChunkSource(Protocol):
-    """A transfer cut into ``count`` equal chunks that pass through ``window`` reusable buffers;
-    chunk ``i`` lives in ``buffer(i)`` (slot ``i % window``) once ``fill(i)`` returned."""
+    """A transfer cut into ``count`` chunks (both ends agree on each one's size) that pass through
+    ``window`` reusable buffers; chunk ``i`` lives in ``buffer(i)`` (slot ``i % window``) once
+    ``fill(i)`` returned. The window is each end's own: chunks are matched by index."""
 
     count: int
     window: int

@@ -52,6 +52,7 @@ class PrefillServer(ReplicaShell):
                 port=config.kv.port,
                 transport=config.kv.transport,
                 transfer_timeout_s=config.kv.timeout_s,
+                max_inflight_bytes=config.kv.max_inflight_bytes,
             ),
         )
         self.worker: PrefillWorker | None = None

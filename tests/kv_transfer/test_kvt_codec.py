@@ -20,6 +20,8 @@ from kv_transfer.messages import (
     Done,
     Error,
     Hello,
+    Pair,
+    PairReady,
     Pull,
     PullReady,
     Release,
@@ -150,11 +152,13 @@ MESSAGES = [
     Challenge(version=1, node_id="prefill-a", nonce=b"n" * 32),
     Hello(version=1, node_id="decode-b", nonce=b"m" * 32, timestamp=1.7e9, mac=b"x" * 32),
     Welcome(node_id="prefill-a", mac=b"y" * 32),
-    Pull(transfer_id="t1", dst_layout=SMOL, n_blocks=63, transport="gloo", transport_info=INFO),
-    Pull(transfer_id="t1", dst_layout=SMOL, n_blocks=63, transport="nccl",
-         transport_info=TransportInfo(name="nccl", device="boot/0000:3b:00.0"), dst_runs=(60, 3)),
-    PullReady(transfer_id="t1", n_tokens=1000, n_blocks=63, nbytes=63 * 737_280, transport_info=INFO),
-    PullReady(transfer_id="t1", n_tokens=1000, n_blocks=63, nbytes=1, transport_info=None),
+    Pull(transfer_id="t1", dst_layout=SMOL, n_blocks=63, transport="gloo"),
+    Pull(transfer_id="t1", dst_layout=SMOL, n_blocks=63, transport="local-direct", dst_runs=(60, 3)),
+    PullReady(transfer_id="t1", n_tokens=1000, n_blocks=63, nbytes=63 * 737_280),
+    PullReady(transfer_id="t1", n_tokens=1000, n_blocks=63, nbytes=1),
+    Pair(transport="gloo", transport_info=INFO),
+    Pair(transport="nccl", transport_info=TransportInfo(name="nccl", device="boot/0000:3b:00.0")),
+    PairReady(transport_info=TransportInfo(name="nccl", token=bytes(range(128)), device="boot/0000:3b:00.0")),
     Done(transfer_id="t1", nbytes=123, seconds=0.25),
     Release(transfer_id="t1"),
     Ack(transfer_id="t1"),
@@ -175,13 +179,21 @@ def _msg_wire(msg: object, **overrides: object) -> bytes:
 
 @pytest.mark.parametrize("bad", [
     dict(v=0), dict(type="launch_missiles"), dict(type=3), dict(n_blocks=0), dict(n_blocks=-1),
-    dict(dst_runs=[30, 30]), dict(dst_runs=[0, 63]), dict(transport=""), dict(transport_info=None),
-    dict(transport_info={**INFO.to_wire(), "port": 1 << 20}), dict(dst_layout={"arch": "llama"}),
-    dict(transfer_id=None), dict(unexpected=1),
+    dict(dst_runs=[30, 30]), dict(dst_runs=[0, 63]), dict(transport=""), dict(transport_info=INFO.to_wire()),
+    dict(dst_layout={"arch": "llama"}), dict(transfer_id=None), dict(unexpected=1),
 ])
 def test_pull_rejects(bad: dict[str, object]) -> None:
     with pytest.raises(CodecError):
         decode_message(_msg_wire(MESSAGES[3], **bad))
+
+
+@pytest.mark.parametrize("bad", [
+    dict(transport=""), dict(transport_info=None), dict(transport_info={**INFO.to_wire(), "port": 1 << 20}),
+    dict(transport_info={**INFO.to_wire(), "token": b"x" * 2000}), dict(unexpected=1),
+])
+def test_pair_rejects(bad: dict[str, object]) -> None:
+    with pytest.raises(CodecError):
+        decode_message(_msg_wire(Pair(transport="gloo", transport_info=INFO), **bad))
 
 
 def test_hello_rejects_short_nonce_and_mac() -> None:

@@ -34,11 +34,9 @@ def both(f0: Callable[[], object], f1: Callable[[], object], timeout_s: float = 
 
 
 def fake_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kv_transfer.nccl as nccl_mod
     from tests.support import fake_cupy
 
-    monkeypatch.setattr(nccl_mod, "_cupy", fake_cupy.modules)
-    monkeypatch.setattr(nccl_mod, "_current_device", lambda: torch.device("cpu"))
+    fake_cupy.install(monkeypatch)
 
 
 @pytest.fixture(params=CONTRACT)
@@ -192,6 +190,18 @@ def test_nccl_unavailable_is_a_clear_startup_error() -> None:
         make_transport("nccl", SOURCE_RANK, host="127.0.0.1", timeout_s=1)
 
 
+class SyncedStream(FakeStream):
+    """On a GPU a chunk is complete once its copy kernel ran: sync as `GatherStream` / `ScatterStream` do."""
+
+    def fill(self, i: int) -> None:
+        super().fill(i)
+        torch.cuda.synchronize(self.slots[0].device)
+
+    def drain(self, i: int) -> None:
+        super().drain(i)
+        torch.cuda.synchronize(self.slots[0].device)
+
+
 @pytest.mark.gpu
 def test_nccl_contract_across_two_gpus() -> None:
     if torch.cuda.device_count() < 2:
@@ -210,6 +220,11 @@ def test_nccl_contract_across_two_gpus() -> None:
     assert both(lambda: src.send(sent, 30), lambda: dst.recv(into, 30)) == (None, None)
     for a, b in zip(sent, into, strict=True):
         assert torch.equal(a.cpu().view(-1).view(torch.uint8), b.cpu().view(-1).view(torch.uint8))
+    chunks = [torch.randn(2, 3, 16, 3, 64, device="cuda:0").to(torch.bfloat16) for _ in range(9)]
+    out = SyncedStream([torch.empty_like(chunks[0], device="cuda:1")] * 9, 3)
+    r = both(lambda: src.send_stream(SyncedStream(chunks, 4), 30), lambda: dst.recv_stream(out, 30))
+    assert r == (None, None), r
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(chunks, out.drained, strict=True))
     src.close()
     dst.close()
 

@@ -46,7 +46,6 @@ from kv_transfer.messages import (
     encode_message,
 )
 from kv_transfer.server import MAX_HELLO_BYTES, SourceConfig
-from kv_transfer.transport import TransportInfo
 from kv_transfer.wire import pack
 from tests.support.kv_caches import SECRET
 from tests.support.kv_procs import GetStats, Offer, Offered, Proc, PullAll, SourceReport, dest_main, source_main
@@ -270,7 +269,7 @@ def test_a_replayed_hello_is_refused_on_a_new_connection(procs: Procs) -> None:
 
 
 def _pull(tid: str, n_blocks: int, layout: KVLayout = LAYOUT) -> Pull:
-    return Pull(tid, layout, n_blocks, "gloo", TransportInfo(name="gloo"))
+    return Pull(tid, layout, n_blocks, "gloo")
 
 
 _junk_values = st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=20), st.binary(max_size=20))

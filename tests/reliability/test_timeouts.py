@@ -48,7 +48,8 @@ def test_configured_defaults_reach_every_component() -> None:
     assert decode.kv.timeout_s == prefill.kv.timeout_s == 30.0  # a pull, and the source's transfer
     assert prefill.kv.lease_s == 30.0  # an unpulled handle's blocks come back after this
     source, puller = SourceConfig(), PullerConfig()
-    assert (source.handshake_timeout_s, source.io_timeout_s, source.idle_timeout_s) == (10.0, 30.0, 600.0)
+    # no idle timeout: a pair lives until its peer dies
+    assert (source.handshake_timeout_s, source.io_timeout_s, source.idle_timeout_s) == (10.0, 30.0, None)
     assert (puller.connect_timeout_s, puller.close_timeout_s) == (10.0, 10.0)
     custom = ClusterConfig.from_args({"limits": {"prefill_timeout_s": 2, "token_timeout_s": 3}, "kv": {"timeout_s": 4}})
     assert (custom.router_config().prefill_timeout_s, custom.router_config().token_timeout_s) == (2, 3)
