@@ -82,6 +82,9 @@ class EngineSection(_Section):
     block_size: int = Field(default=EngineConfig.block_size, ge=1, le=1024)
     num_threads: int | None = Field(default=EngineConfig.num_threads, ge=1)  # torch threads per worker replica
     enable_prefix_cache: bool = EngineConfig.enable_prefix_cache
+    # attention backend (`engine.attention.registry`): auto = cpu on a CPU, torch on a GPU
+    backend: Literal["auto", "reference", "cpu", "torch"] = "auto"
+    cuda_graphs: bool = EngineConfig.cuda_graphs  # the torch backend's decode steps as CUDA graphs (CUDA only)
 
     _known_dtype = field_validator("dtype")(_known_dtype)
 
@@ -289,8 +292,8 @@ class ClusterConfig(_Section):
         return EngineConfig(device=e.device, dtype=self._resolved_dtype(pool), quantization=e.quantization,
                             block_size=e.block_size, num_blocks=pool.num_blocks,
                             max_num_seqs=pool.max_num_seqs, max_model_len=self.limits.max_model_len,
-                            enable_prefix_cache=e.enable_prefix_cache,
-                            num_threads=pool.num_threads or e.num_threads,
+                            enable_prefix_cache=e.enable_prefix_cache, backend=e.backend,
+                            cuda_graphs=e.cuda_graphs, num_threads=pool.num_threads or e.num_threads,
                             cpu_affinity=tuple(pool.cpu_affinity or ()))
 
     def _kv(self) -> KVTransferConfig:

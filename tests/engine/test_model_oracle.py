@@ -1,4 +1,5 @@
-"""Our forward over the paged cache vs transformers' forward on the same tiny random weights."""
+"""Our forward over the paged cache, through every attention backend, vs transformers' forward on the
+same tiny random weights."""
 
 from __future__ import annotations
 
@@ -42,15 +43,20 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+#: every attention backend (`engine.attention.registry`) against the same oracle
+BACKENDS = ("reference", "cpu", "torch")
+
+
+@pytest.fixture(scope="module", params=[f"{name}/{b}" for name in sorted(FAMILIES) for b in BACKENDS])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     import transformers
 
-    name = request.param
+    name, backend = request.param.split("/")
     family = next((f for f in ("qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3") if name.startswith(f)), "llama")
     path = make_tiny(family, tmp_path_factory.mktemp(name), **FAMILIES[name])
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eng = Engine.from_dir(path, EngineConfig(num_blocks=128, block_size=8, enable_prefix_cache=True))
+    eng = Engine.from_dir(path, EngineConfig(num_blocks=128, block_size=8, enable_prefix_cache=True, backend=backend))
+    assert eng.runner.model.attention.name == backend
     return hf, eng
 
 
