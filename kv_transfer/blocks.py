@@ -2,8 +2,8 @@
 
 Owns: the wire order of direct transfers (the staging mode, every other transport, is in `streams.py`):
 
-- direct (``direct = True``: ``local-direct``, in one process): the destination's block ids are cut into runs of consecutive
-  ids; for each layer, for K then V, for each run, one tensor travels:
+- direct (``direct = True``: ``local-direct``, in one process): the destination's block ids are cut
+  into runs of consecutive ids; for each layer, for K then V, for each run, one tensor travels:
   ``[run_len, block_size, kv_heads, head_dim]``, a slice of the gathered tensor on the source and a
   view of the cache (``k[layer][start:start + run_len]``) on the destination, so bytes land
   straight in the blocks. PULL carries the run lengths so both sides cut identically. The number
