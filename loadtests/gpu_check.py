@@ -8,21 +8,24 @@ NCCL) and `loadtests.gpu_check_timing` (a random Llama-3-8B-shaped engine agains
 
 It assumes only torch, transformers and cupy (no Ray, no downloads: every model is built on the
 spot) and fits `MAX_SECONDS` on an H100: each section has a deadline, and what would pass it is
-reported as skipped, never dropped. Without a CUDA device it says so, measures nothing, writes
-nothing and exits 0. ``--device cpu`` is the smoke mode CI runs: the same code on CPU with tiny
-shapes, every CUDA-only verdict a skip that says why; it writes JSON only where ``--out`` is given.
-The exit status is 1 when a correctness check failed, else 0.
+reported as skipped, never dropped; the report is rewritten after each section (``complete:
+false`` until the end), and a run that hangs past the budget dumps its stacks and exits 1.
+Without a CUDA device it says so, measures nothing, writes nothing and exits 0. ``--device cpu``
+is the smoke mode CI runs: the same code on CPU with tiny shapes, every CUDA-only verdict a skip
+that says why; it writes JSON only where ``--out`` is given. The exit status is 1 when a
+correctness check failed, else 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import platform
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from loadtests.gpu_check_report import GPU_CHECK_SCHEMA, Check, failed, format_t
 
 DEFAULT_OUT = Path("results/gpu_check.json")
 MAX_SECONDS = 450.0  # the issue's 8 minutes, less start-up and a margin
+HARD_EXTRA_S = 100.0  # past MAX_SECONDS + this, a hung run dumps its stacks and exits 1
 #: a section starts only before this share of the run's time; later it is skipped
 DEADLINES = {"families": 0.50, "sampler": 0.60, "nccl": 0.65, "timing": 0.70}
 NO_GPU = "no CUDA GPU found (torch.cuda.is_available() is False): nothing was measured and nothing written"
@@ -83,15 +87,16 @@ def late_skip(section: str, name: str) -> Check:
     return Check(section, name, "skip", reason="out of time (the run's budget)")
 
 
-def run(device: torch.device, families: Sequence[str], timing: bool, clock: Clock, workdir: Path) -> list[Check]:
-    """Every section in order, each behind its deadline."""
+def run(device: torch.device, families: Sequence[str], timing: bool, clock: Clock, workdir: Path,
+        checks: list[Check], saved: Callable[[], None]) -> None:
+    """Every section in order, each behind its deadline, its checks appended to ``checks``;
+    ``saved`` is called after each section (the partial report on disk)."""
     from loadtests import gpu_check_models as models
     from loadtests.gpu_check_families import check_family
     from loadtests.gpu_check_nccl import check_nccl_handoff
     from loadtests.gpu_check_sampler import check_sampler
     from loadtests.gpu_check_timing import GPU_PLAN, SMOKE_PLAN, run_timing
 
-    checks: list[Check] = []
     tiny = workdir / "tiny"
     for family in families:
         if clock.late("families"):
@@ -102,6 +107,7 @@ def run(device: torch.device, families: Sequence[str], timing: bool, clock: Cloc
         checks += got
         clock.say(f"{family}: {sum(c.status == 'pass' for c in got)}/{len(got)} passed ({time.monotonic() - t:.1f}s)")
         _release(device)
+        saved()
     if clock.late("sampler"):
         checks.append(late_skip("sampler", "device=host rules"))
     else:
@@ -115,6 +121,7 @@ def run(device: torch.device, families: Sequence[str], timing: bool, clock: Cloc
         checks += guarded("nccl", "prefill->decode handoff", handoff)
         clock.say(f"nccl: {checks[-1].status} {checks[-1].reason}")
         _release(device)
+    saved()
     if not timing:
         checks.append(Check("timing", "8B-shaped timings", "skip", reason="--no-timing", kind="timing"))
     elif clock.late("timing"):
@@ -126,7 +133,6 @@ def run(device: torch.device, families: Sequence[str], timing: bool, clock: Cloc
         end = clock.t0 + clock.max_seconds
         checks += guarded("timing", "8B-shaped timings", lambda: run_timing(plan, device, workdir / "shape", end))
         clock.say("timing: done")
-    return checks
 
 
 def _release(device: torch.device) -> None:
@@ -137,16 +143,18 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def write(doc: dict[str, Any], out: Path) -> None:
+def write(doc: dict[str, Any], out: Path, quiet: bool = False) -> None:
     try:
         import jsonschema
     except ImportError:
-        print("jsonschema is not installed: the document is written unvalidated")
+        if not quiet:
+            print("jsonschema is not installed: the document is written unvalidated")
     else:
         jsonschema.validate(doc, GPU_CHECK_SCHEMA)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {out}")
+    if not quiet:
+        print(f"wrote {out}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -171,17 +179,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_info(device)
     clock.say(f"gpu check on {machine['gpu'] or 'cpu (smoke mode)'}: torch {machine['torch']}, "
               f"transformers {machine['transformers']}, cupy {machine['cupy']}")
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        checks = run(device, families, not args.no_timing, clock, Path(tmp))
-    print(format_table(checks))
     setup = {"description": "tiny random models of each family against transformers; torch backend against "
                             "reference; CUDA graphs on against off; device sampler against host sampler; a KV "
                             "hand-off over NCCL; a random-weight Llama-3-8B-shaped engine's timings",
              "families": families, "smoke": device.type != "cuda", "max_seconds": args.max_seconds,
              "argv": list(argv if argv is not None else sys.argv[1:])}
     out = args.out if args.out is not None else (DEFAULT_OUT if device.type == "cuda" else None)
-    if out is not None:
-        write(report_doc(checks, machine, setup, clock.elapsed()), out)
+    checks: list[Check] = []
+
+    def save(complete: bool) -> None:
+        if out is not None:
+            write(report_doc(checks, machine, setup, clock.elapsed(), complete=complete), out, quiet=not complete)
+
+    # a section that hangs (a collective, a compile) still leaves the partial report and a traceback
+    faulthandler.dump_traceback_later(args.max_seconds + HARD_EXTRA_S, exit=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+            run(device, families, not args.no_timing, clock, Path(tmp), checks, lambda: save(False))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    print(format_table(checks))
+    save(True)
     bad = failed(checks)
     if bad:
         print(f"{len(bad)} correctness check(s) failed: " + ", ".join(f"{c.section}/{c.name}" for c in bad))

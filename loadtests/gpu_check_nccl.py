@@ -16,9 +16,11 @@ package ``__init__`` brings msgpack, never Ray): a missing module is a skip that
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,7 @@ def nccl_transfer(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> s
         for t in ends:
             t.close()
         return f"NcclTransport pair, {src_dev} -> {dst_dev}"
-    with torch.cuda.device(src_dev):
+    with torch.cuda.device(src_dev) if src_dev.type == "cuda" else nullcontext():
         t = NcclTransport(SOURCE_RANK, host="127.0.0.1", timeout_s=TIMEOUT_S)
     offer = t.offer(TransportInfo(name="nccl", device=t.device + "/loopback"))
     cupy, nccl = t._cupy, t._nccl
@@ -69,10 +71,38 @@ def nccl_transfer(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> s
             comm.send(s.data_ptr(), s.numel() * s.element_size(), nccl.NCCL_UINT8, 0, stream.ptr)
             comm.recv(d.data_ptr(), d.numel() * d.element_size(), nccl.NCCL_UINT8, 0, stream.ptr)
         nccl.groupEnd()
-        stream.synchronize()
+        done = cupy.cuda.Event(disable_timing=True)  # polled as NcclTransport polls: errors surface
+        done.record(stream)
+        deadline = time.monotonic() + TIMEOUT_S
+        while not done.done:
+            comm.check_async_error()
+            if time.monotonic() > deadline:
+                comm.abort()
+                raise TimeoutError(f"nccl: self send/recv of {len(src)} tensors timed out after {TIMEOUT_S:.0f}s")
+            time.sleep(0.0002)
         comm.destroy()
     t.close()
     return f"single-rank communicator sending to itself on {src_dev}"
+
+
+def _in_thread(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], wait_s: float) -> str | None:
+    """`nccl_transfer` in a daemon thread; None where it has not returned after ``wait_s`` (a
+    communicator that never connects must not stop the rest of the run)."""
+    done: list[str] = []
+    raised: list[BaseException] = []
+
+    def go() -> None:
+        try:
+            done.append(nccl_transfer(src, dst))
+        except BaseException as e:
+            raised.append(e)
+
+    worker = threading.Thread(target=go, name="gpu-check-nccl", daemon=True)
+    worker.start()
+    worker.join(wait_s)
+    if raised:
+        raise raised[0]
+    return done[0] if done else None
 
 
 def _unavailable() -> str | None:
@@ -114,8 +144,11 @@ def check_nccl_handoff(path: Path) -> Check:
         src = source_tensors(pre.cache, src_blocks, run_lengths(dst_blocks[:n_prompt_blocks]))
         dst = direct_views(dec.cache, dst_blocks[:n_prompt_blocks])
         t0 = time.perf_counter()
-        how = nccl_transfer(src, dst)
+        how = _in_thread(src, dst, TIMEOUT_S + 30)
         transfer_s = time.perf_counter() - t0
+        if how is None:
+            return Check("nccl", "prefill->decode handoff", "fail", {"gpus": gpus, "waited_s": transfer_s},
+                         reason="the NCCL transfer did not return (communicator init or send/recv hung)")
         same_bytes = torch.equal(pre.cache.gather_blocks(src_blocks).cpu(),
                                  dec.cache.gather_blocks(dst_blocks[:n_prompt_blocks]).cpu())
         with torch.cuda.device(dst_dev):

@@ -73,15 +73,16 @@ def guarded(section: str, name: str, fn: Callable[[], list[Check]]) -> list[Chec
 
 
 def report_doc(checks: Sequence[Check], machine: dict[str, Any], setup: dict[str, Any],
-               wall_s: float, created: datetime | None = None) -> dict[str, Any]:
-    """The ``results/gpu_check.json`` document (see `GPU_CHECK_SCHEMA`)."""
+               wall_s: float, created: datetime | None = None, complete: bool = True) -> dict[str, Any]:
+    """The ``results/gpu_check.json`` document (see `GPU_CHECK_SCHEMA`); ``complete``: False while
+    sections are still to run (``passed`` then speaks only for the checks so far)."""
     counts = {s: sum(c.status == s for c in checks) for s in ("pass", "fail", "skip")}
     return {
         "benchmark": "gpu_check",
         "created": (created or datetime.now(timezone.utc)).isoformat(timespec="seconds"),
         "machine": machine,
         "setup": setup,
-        "results": {"passed": not failed(checks), "wall_s": round(wall_s, 1), "counts": counts,
+        "results": {"complete": complete, "passed": not failed(checks), "wall_s": round(wall_s, 1), "counts": counts,
                     "checks": [c.to_json() for c in checks]},
     }
 
@@ -98,8 +99,9 @@ GPU_CHECK_SCHEMA: dict[str, Any] = {
         "setup": {"type": "object", "required": ["description"]},
         "results": {
             "type": "object",
-            "required": ["passed", "wall_s", "counts", "checks"],
+            "required": ["complete", "passed", "wall_s", "counts", "checks"],
             "properties": {
+                "complete": {"type": "boolean"},
                 "passed": {"type": "boolean"},
                 "wall_s": {"type": "number", "minimum": 0},
                 "counts": {"type": "object", "required": ["pass", "fail", "skip"]},

@@ -183,3 +183,20 @@ def test_cuda_run_of_one_family_passes(tmp_path: Path) -> None:
     statuses = {(c["section"], c["name"]): c["status"] for c in doc["results"]["checks"]}
     assert statuses[("graphs", "llama/graphs-on=off")] == "pass"
     assert statuses[("sampler", "device=host rules")] == "pass"
+
+
+def test_nccl_self_transfer_over_the_fake_cupy_moves_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-GPU path of the NCCL section (a single-rank communicator sending to itself), run over
+    tests/support/fake_cupy on CPU tensors; the real cupy runs it in `make gpu-check`."""
+    import kv_transfer.nccl as nccl_mod
+    from loadtests.gpu_check_nccl import nccl_transfer
+    from tests.support import fake_cupy
+
+    monkeypatch.setattr(nccl_mod, "_cupy", fake_cupy.modules)
+    monkeypatch.setattr(nccl_mod, "_current_device", lambda: torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(n, 16, 2, 8, generator=g).to(dtype) for n, dtype in ((1, torch.float32), (3, torch.bfloat16))]
+    dst = [torch.zeros_like(t) for t in src]
+    how = nccl_transfer(src, dst)
+    assert "sending to itself" in how
+    assert all(torch.equal(s, d) for s, d in zip(src, dst, strict=True))
