@@ -147,7 +147,8 @@ def check_family(family: str, path: Path, device: torch.device) -> list[Check]:
     engines: dict[str, Any] = {}
     for backend in ("reference", "torch"):
         def one(backend: str = backend) -> list[Check]:
-            eng = Engine.from_dir(path, engine_config(dev, "float32", backend, cuda, num_blocks=64))
+            graphs = cuda and backend == "torch"  # CUDA graphs are the torch backend's, on CUDA only
+            eng = Engine.from_dir(path, engine_config(dev, "float32", backend, graphs, num_blocks=64))
             engines[backend] = eng
             runs[backend] = run_scenario(eng)
             ours = engine_greedy(eng, SCENARIO.prompts[0], N_NEW)

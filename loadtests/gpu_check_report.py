@@ -139,7 +139,7 @@ def format_table(checks: Sequence[Check], max_figures: int = 4, width: int = 120
     lines = [f"{'status':<6}  {'check':<40}  figures / reason", "-" * width]
     for c in checks:
         shown = ", ".join(f"{k}={_fmt(v)}" for k, v in list(c.figures.items())[:max_figures])
-        detail = shown if c.status == "pass" else f"{c.reason}" + (f" ({shown})" if shown else "")
+        detail = f"{c.reason} ({shown})" if c.reason and shown else c.reason or shown
         line = f"{c.status.upper():<6}  {c.section + '/' + c.name:<40}  {detail}"
         lines.append(line if len(line) <= width else line[: width - 1] + "…")
     counts = {s: sum(c.status == s for c in checks) for s in ("pass", "fail", "skip")}

@@ -30,6 +30,7 @@ from loadtests.gpu_check_report import Check, guarded
 
 OVERHEAD_SHARE = 0.10  # start-up memory beyond weights + KV cache, as a share of the weights' bytes
 GiB = 2**30
+HEADROOM = 4 * GiB  # activations of the largest step and CUDA graph pools, beyond weights and cache
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,12 @@ def run_timing(plan: TimingPlan, device: torch.device, folder: Path, deadline: f
     weight_bytes = rf.decode_weight_bytes(cfg, size) + embed
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
+        need = weight_bytes + plan.kv_budget + HEADROOM
+        if free < need:
+            return [*checks, Check("timing", "8B-shaped engine", "skip", {"free_bytes": free, "needed_bytes": need},
+                                   reason=f"{free / GiB:.1f} GiB free on this card, the shape needs {need / GiB:.1f}",
+                                   kind="timing")]
         torch.cuda.reset_peak_memory_stats(device)
     before = _allocated(device)
     t0 = time.perf_counter()
