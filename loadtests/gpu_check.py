@@ -83,6 +83,26 @@ class Clock:
         print(f"[{self.elapsed():6.1f}s] {msg}", flush=True)
 
 
+#: what the sections import, beyond torch and transformers (the engine's chain brings its own dependencies:
+#: today gguf through engine.loading.bundled, llguidance through engine.sampling.grammar)
+PREFLIGHT = ("engine.engine", "engine.generate", "tests.support.models", "loadtests.gpu_check_families",
+             "loadtests.gpu_check_timing", "loadtests.gpu_check_sampler", "loadtests.gpu_check_nccl")
+
+
+def preflight() -> Check:
+    """Whether the engine imports here; a failure names the missing module (the device image has
+    torch, transformers and cupy only, so a project dependency may be absent)."""
+    import importlib
+
+    for module in PREFLIGHT:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # ImportError, or a compiled extension that does not load
+            return Check("preflight", "engine imports", "fail", {"module": module},
+                         reason=f"importing {module} failed: {e}; install that package or put it on PYTHONPATH")
+    return Check("preflight", "engine imports", "pass", {"modules": list(PREFLIGHT)})
+
+
 def late_skip(section: str, name: str) -> Check:
     return Check(section, name, "skip", reason="out of time (the run's budget)")
 
@@ -171,21 +191,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(NO_GPU)
         return 0
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-    families = [f for f in args.families.split(",") if f] or list(_families())
-    unknown = sorted(set(families) - set(_families()))
-    if unknown:
-        ap.error(f"unknown families {unknown}; expected some of {list(_families())}")
     clock = Clock(args.max_seconds)
     machine = machine_info(device)
     clock.say(f"gpu check on {machine['gpu'] or 'cpu (smoke mode)'}: torch {machine['torch']}, "
               f"transformers {machine['transformers']}, cupy {machine['cupy']}")
+    checks: list[Check] = [preflight()]
+    if checks[0].status == "fail":
+        clock.say(checks[0].reason)
+        families: list[str] = []
+    else:
+        families = [f for f in args.families.split(",") if f] or list(_families())
+        unknown = sorted(set(families) - set(_families()))
+        if unknown:
+            ap.error(f"unknown families {unknown}; expected some of {list(_families())}")
     setup = {"description": "tiny random models of each family against transformers; torch backend against "
                             "reference; CUDA graphs on against off; device sampler against host sampler; a KV "
                             "hand-off over NCCL; a random-weight Llama-3-8B-shaped engine's timings",
              "families": families, "smoke": device.type != "cuda", "max_seconds": args.max_seconds,
              "argv": list(argv if argv is not None else sys.argv[1:])}
     out = args.out if args.out is not None else (DEFAULT_OUT if device.type == "cuda" else None)
-    checks: list[Check] = []
 
     def save(complete: bool) -> None:
         if out is not None:
@@ -194,8 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # a section that hangs (a collective, a compile) still leaves the partial report and a traceback
     faulthandler.dump_traceback_later(args.max_seconds + HARD_EXTRA_S, exit=True)
     try:
-        with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-            run(device, families, not args.no_timing, clock, Path(tmp), checks, lambda: save(False))
+        if checks[0].status == "pass":
+            with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+                run(device, families, not args.no_timing, clock, Path(tmp), checks, lambda: save(False))
     finally:
         faulthandler.cancel_dump_traceback_later()
     print(format_table(checks))

@@ -33,6 +33,16 @@ def test_no_gpu_says_so_writes_nothing_and_exits_0(tmp_path: Path, monkeypatch: 
     assert list(tmp_path.iterdir()) == []  # no results/gpu_check.json, nor its folder
 
 
+def test_a_module_that_does_not_import_fails_the_preflight_and_nothing_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_check, "PREFLIGHT", ("engine.engine", "no_such_module_for_gpu_check"))
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--device", "cpu", "--out", str(out)]) == 1
+    (check,) = json.loads(out.read_text())["results"]["checks"]
+    assert (check["section"], check["status"]) == ("preflight", "fail")
+    assert "no_such_module_for_gpu_check" in check["reason"]
+
+
 def test_imports_no_ray_fastapi_or_uvicorn() -> None:
     """The device image has torch, transformers and cupy only: the check and what it imports stay off Ray."""
     code = ("import sys\n"
