@@ -95,14 +95,3 @@ def engine_config(device: str, dtype: str, backend: str, cuda_graphs: bool, **si
     return EngineConfig(device=device, dtype=dtype, backend=backend, cuda_graphs=cuda_graphs,
                         **sizes)
 
-
-def weights_nbytes(weights: ModelWeights) -> int:
-    """Bytes of every distinct tensor of ``weights`` (a tied head counted once)."""
-    seen: dict[int, int] = {}
-    tensors: list[Any] = [weights.embed, weights.norm, weights.lm_head]
-    for layer in weights.layers:
-        tensors += [getattr(layer, name) for name in layer.__dataclass_fields__]
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            seen[t.data_ptr()] = t.numel() * t.element_size()
-    return sum(seen.values())

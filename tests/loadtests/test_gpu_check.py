@@ -76,6 +76,27 @@ def test_weight_bytes_equal_transformers_parameters(tmp_path: Path) -> None:
         p.numel() for p in hf.parameters())
 
 
+def test_random_weights_have_the_loaders_shapes(tmp_path: Path) -> None:
+    """The in-memory 8B-shaped weights are what `load_weights` makes of a transformers checkpoint."""
+    import transformers
+
+    from engine.loading.weights import load_weights
+    from loadtests.gpu_check_models import random_weights
+
+    cfg = shape_config(tmp_path / "cfg", SMOKE_SHAPE)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOKE_SHAPE)).save_pretrained(tmp_path / "hf")
+    loaded = load_weights(tmp_path / "hf", cfg, torch.float32, "cpu")
+    ours = random_weights(cfg, torch.float32, torch.device("cpu"))
+
+    def shapes(w: object) -> dict[str, object]:
+        return {k: None if v is None else tuple(v.shape) for k, v in vars(w).items() if k != "layers"}
+
+    assert shapes(ours) == shapes(loaded)
+    assert len(ours.layers) == len(loaded.layers) == cfg.num_layers
+    assert all(shapes(a) == shapes(b) for a, b in zip(ours.layers, loaded.layers, strict=True))
+    assert all(torch.isfinite(layer.qkv).all() for layer in ours.layers)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("n", [1, 50])
 def test_prefill_flops_against_transformers_flop_count(tmp_path: Path, n: int) -> None:
     """transformers' eager attention multiplies the full square of scores; the floor counts the causal
