@@ -65,6 +65,15 @@ bench-sampler: prepare-model
 
 bench: bench-engine bench-kv bench-interference bench-goodput bench-serving bench-sampler
 
+# One prepared run on a machine with an NVIDIA GPU (torch, transformers and cupy only: no Ray, no downloads; under
+# 8 minutes): results/gpu_check.json and a table; exits 1 when a correctness check fails. Without a GPU it says so
+# and exits 0. Runs with the venv's python where there is one, else the system's (GPU images have no venv);
+# `make gpu-check PY=python3` names one. GPU_CHECK_ARGS: e.g. `--families llama,gemma2 --no-timing`.
+.PHONY: gpu-check
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),python3) -m loadtests.gpu_check $(GPU_CHECK_ARGS)
+
 # Locust against a running cluster (make serve): CSV + HTML report in results/loadtest_<profile>*.
 HOST ?= http://127.0.0.1:8000
 PROFILE ?= mixed

@@ -25,7 +25,7 @@ from engine.errors import ContextLengthError
 from engine.kv_cache import KVCache
 from engine.loading.bundled import default_cache_dir
 from engine.loading.file_lock import file_lock
-from engine.loading.weights import load_weights
+from engine.loading.weights import ModelWeights, load_weights
 from engine.model.model import build_model
 from engine.model_thread import ModelThread
 from engine.runner import ModelRunner
@@ -106,11 +106,20 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         mcfg = ModelConfig.from_dir(model_dir)
         log_dtype(mcfg.checkpoint_dtype, config)
+        return cls.from_weights(mcfg, load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device,
+                                                   keep_int8=config.quantization == "int8"), config, model_dir)
+
+    @classmethod
+    def from_weights(cls, mcfg: ModelConfig, weights: ModelWeights, config: EngineConfig,
+                     model_dir: Path) -> Engine:
+        """An engine over weights already in memory, in ``config``'s dtype and on its device (the
+        caller gives them up: the model may fold or repack them in place). ``model_dir``: the folder
+        ``mcfg`` was read from (its tokenizer and grammar vocabulary are looked up there)."""
         max_len = min(config.max_model_len or mcfg.max_context, mcfg.max_context)
         with timing_lock(config):  # kernel timings and compiles, not disturbed by another engine's
-            # the loaded weights are the model's alone: a backend that reformats them frees them as it goes
-            model = build_model(mcfg, load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device,
-                                                   keep_int8=config.quantization == "int8"), max_len, config)
+            # the model takes the weights (`build_model` empties the container): a backend that reformats
+            # them frees the loaded ones as it goes
+            model = build_model(mcfg, weights, max_len, config)
             cache = KVCache.allocate(
                 mcfg, config.num_blocks, config.block_size, config.torch_dtype, config.device
             )

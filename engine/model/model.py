@@ -54,13 +54,16 @@ class LlamaModel:
         self.activation = features.activation
         # transformers multiplies by sqrt(hidden) rounded to the embedding's dtype
         self.embed_scale = torch.tensor(cfg.hidden_size**0.5, dtype=self.dtype) if features.embed_scale else None
-        lws, norm = weights.layers, weights.norm
+        lws, norm, lm_head = list(weights.layers), weights.norm, weights.lm_head
+        # the model takes the weights: the container keeps no reference to what a backend may reformat
+        weights.layers.clear()
+        weights.lm_head = weights.embed
         if self.norm_offset:  # every gain as it multiplies (1 + w, in fp32)
             norm = 1.0 + norm.float()
             lws = [offset_gains(lw) for lw in lws]
         eps = cfg.rms_norm_eps
         self.layers: list[LayerKernels] = [plain_layer(lw, eps, self.norm_offset) for lw in lws]
-        self.head = NormedLinear(norm, plain_linear(weights.lm_head), eps, self.norm_offset)  # final norm + lm_head
+        self.head = NormedLinear(norm, plain_linear(lm_head), eps, self.norm_offset)  # final norm + lm_head
 
     def attention_spec(self) -> AttentionSpec:
         cfg = self.cfg
@@ -159,7 +162,8 @@ class LlamaModel:
 def build_model(cfg: ModelConfig, weights: ModelWeights, max_positions: int, config: EngineConfig) -> LlamaModel:
     """The model over ``weights``, with the attention backend ``config.backend`` names (or ``auto``'s
     pick) and that backend's kernel formats swapped in. The caller must not keep ``weights``: a
-    backend that reformats a class of weights frees the loaded ones as it goes."""
+    backend that reformats a class of weights frees the loaded ones as it goes (the model empties
+    ``weights`` as it takes them)."""
     from engine.attention.registry import pick_backend
 
     model = LlamaModel(cfg, weights, max_positions)
