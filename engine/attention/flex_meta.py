@@ -18,9 +18,9 @@ so block-table padding and other sequences' blocks never leak), then the causal 
 of `engine.attention.ops.visible_keys`. The block lists are a superset of the blocks holding visible
 keys, each block listed once per tile (chunks sharing prefix blocks are deduplicated), so the eager
 path (which evaluates the mask everywhere and ignores the lists) and the compiled kernels (which
-read only the listed blocks) agree. kv lists are ``NB`` wide (the CPU kernel wants the block mask
-to span the whole key length) and decode metadata reads only device tensors and shapes, so a
-decode step's metadata can be rebuilt inside a captured CUDA graph.
+read only the listed blocks) agree. On CPU the lists are ``NB`` wide (the kernel wants the block
+mask to span the whole key length), on CUDA as wide as a tile can need. Decode metadata reads only
+device tensors and shapes, so a decode step's metadata can be rebuilt inside a captured CUDA graph.
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-#: Query tokens per tile of the block mask (the GPU kernel's BLOCK_M divides it).
+#: Query tokens per tile of a prefill block mask (the GPU kernel runs with BLOCK_M = Q_BLOCK).
 Q_BLOCK = 16
+#: A decode row's one query tile: its height only has to be a multiple of the GPU decoding kernel's
+#: BLOCK_M (the query heads sharing a KV head, at least 16).
+DECODE_Q_BLOCK = 128
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -98,9 +101,10 @@ def decode_masks(block_table: torch.Tensor, positions: torch.Tensor, block_size:
         first = torch.zeros_like(last) if window is None else (positions - window + 1).clamp(min=0) // block_size
         cols = (torch.arange(width, device=dev) + first.unsqueeze(1)).clamp(max=width - 1)  # [B, W]
         kv = torch.gather(block_table, 1, cols).int()[:, :total_blocks]  # row's blocks from `first` on
-        kv = torch.nn.functional.pad(kv, (0, total_blocks - kv.shape[1]))
+        kv = torch.nn.functional.pad(kv, (0, _list_width(dev, total_blocks, kv.shape[1]) - kv.shape[1]))
         masks[window] = BlockMask.from_kv_blocks(
-            (last - first + 1).int().view(b, 1, 1), kv.view(b, 1, 1, total_blocks), BLOCK_SIZE=(Q_BLOCK, block_size),
+            (last - first + 1).int().view(b, 1, 1), kv.view(b, 1, 1, -1),
+            BLOCK_SIZE=(DECODE_Q_BLOCK, block_size),
             mask_mod=paged_mask_mod(row, positions, p2l, block_size, window),
             seq_lengths=(1, total_blocks * block_size), compute_q_blocks=False,
         )
@@ -145,17 +149,23 @@ def _segments(seq_lens: Sequence[int], start_positions: Sequence[int], block_siz
 
 def _tile_blocks(table: torch.Tensor, tiles: list[list[tuple[int, int, int]]],
                  total_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kv_num [NQ] int32, kv_indices [NQ, NB] int32): each tile's distinct physical blocks."""
+    """(kv_num [NQ] int32, kv_indices [NQ, N] int32): each tile's distinct physical blocks (N: `_list_width`)."""
     dev, width = table.device, table.shape[1]
     k = max(len(t) for t in tiles)
     pad = [(0, 1, 0)] * k  # an empty range (first > last)
     seg = to_device(torch.tensor([t + pad[len(t):] for t in tiles]), dev)  # [NQ, K, 3]
     cols = torch.arange(width, device=dev)
     inside = (cols >= seg[..., 1:2]) & (cols <= seg[..., 2:3])  # [NQ, K, W]
-    cand = torch.where(inside, table[seg[..., 0]], total_blocks).flatten(1)  # [NQ, K * W], NB: none
+    cand = torch.where(inside, table[seg[..., 0]].int(), total_blocks).flatten(1)  # [NQ, K * W], NB: none
     cand, _ = cand.sort(dim=1)
     keep = cand < total_blocks
     keep[:, 1:] &= cand[:, 1:] != cand[:, :-1]  # first of each run of equal ids
-    dest = torch.where(keep, keep.cumsum(1) - 1, total_blocks)
-    kv = torch.zeros(len(tiles), total_blocks + 1, dtype=torch.long, device=dev).scatter_(1, dest, cand)
-    return keep.sum(1).int(), kv[:, :total_blocks].int()
+    out = _list_width(dev, total_blocks, min(total_blocks, cand.shape[1]))
+    dest = torch.where(keep, keep.cumsum(1) - 1, out)  # a tile's distinct ids number at most `out`
+    kv = torch.zeros(len(tiles), out + 1, dtype=torch.int32, device=dev).scatter_(1, dest, cand)
+    return keep.sum(1).int(), kv[:, :out]
+
+
+def _list_width(device: torch.device, total_blocks: int, needed: int) -> int:
+    """Columns of a kv block list: the CPU kernel wants them to span the whole cache, CUDA's do not."""
+    return total_blocks if device.type == "cpu" else needed

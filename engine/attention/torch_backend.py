@@ -13,10 +13,12 @@ What runs where, per layer (the same code on CPU and CUDA, so CPU tests exercise
   ``is_causal`` call per chunk (the CPU flash kernel). A flex document mask would keep CUDA off
   FlashAttention, and SDPA with a block-diagonal mask falls to the math kernel under GQA. Elsewhere
   (fp32 on CUDA, where FlashAttention does not run) fresh chunks take the flex path.
-- flex runs compiled (`torch.compile(flex_attention)`, default dynamic shapes) on CUDA and on CPUs
-  with a C++ compiler (inductor's CPU flash kernel), else eager. Eager flex evaluates the mask over
-  every cache slot (exact, but memory grows with the cache): the tests build backends with
-  ``compiled=False`` for speed and check the block lists separately; one test runs compiled.
+- flex runs compiled (`torch.compile(flex_attention)`: the first shapes static, then one
+  dynamic-shape recompile; ``dynamic=True`` from the start does not build on CPU) on CUDA and on
+  CPUs with a C++ compiler (inductor's CPU flash kernel), else eager. Eager flex evaluates the
+  mask over every cache slot (exact, but memory grows with the cache), so `unavailable` refuses a
+  CPU without a compiler; the tests build backends with ``compiled=False`` for speed and check the
+  block lists separately, and one test runs compiled.
 - decode steps on CUDA with ``config.cuda_graphs`` replay CUDA graphs (`engine.attention.cuda_graphs`).
 
 Invariants: metadata (RoPE rows per table, block masks per window) is built once per step from
@@ -35,7 +37,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionSpec
-from engine.attention.flex_meta import PagedMasks, decode_masks, prefill_masks, softcap_score_mod, to_device
+from engine.attention.flex_meta import (
+    Q_BLOCK,
+    PagedMasks,
+    decode_masks,
+    prefill_masks,
+    softcap_score_mod,
+    to_device,
+)
 from engine.attention.ops import write_kv
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.kv_cache import KVCache
@@ -73,7 +82,15 @@ class TorchBackend(AttentionBackend):
         self.flex = torch.compile(_flex(), fullgraph=True) if self.compiled else _flex()
         self.windows = sorted({layer.window for layer in spec.layers}, key=lambda w: -1 if w is None else w)
         self.score_mods = {c: softcap_score_mod(c) for c in {layer.softcap for layer in spec.layers} if c is not None}
-        self.kernel_options = {"BLOCK_N": config.block_size} if cuda else None
+        # CUDA: tiles of the cache's block size (BLOCK_N); packed prefill on the main kernel with the
+        # mask's query tile (the short-query kernel's BLOCK_M can exceed it); decode rows on the
+        # flash-decoding kernel. The CPU kernel takes its own.
+        self.kernel_options: dict[bool, dict[str, object]] | None = None
+        if cuda:
+            self.kernel_options = {
+                False: {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": config.block_size},
+                True: {"BLOCK_N": config.block_size},
+            }
         self.varlen = cuda and spec.dtype in (torch.float16, torch.bfloat16) and _varlen() is not None
         self.graphs: DecodeGraphs | None = None
         if cuda and getattr(config, "cuda_graphs", True) and not spec.length_dependent:
@@ -139,7 +156,8 @@ class TorchBackend(AttentionBackend):
         qh = q.unsqueeze(2) if meta.decode else q.transpose(0, 1).unsqueeze(0)  # [B, H, 1, D] / [1, H, T, D]
         out = self.flex(qh, keys, values, score_mod=self.score_mods.get(rule.softcap),  # type: ignore[arg-type]
                         block_mask=meta.paged.masks[rule.window], scale=rule.scale,
-                        enable_gqa=self.spec.num_heads != kvh, kernel_options=self.kernel_options)
+                        enable_gqa=self.spec.num_heads != kvh,
+                        kernel_options=None if self.kernel_options is None else self.kernel_options[meta.decode])
         out = out.squeeze(2) if meta.decode else out.squeeze(0).transpose(0, 1)  # [T, H, D]
         return out.reshape(t, -1)
 
