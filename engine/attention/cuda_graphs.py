@@ -12,8 +12,9 @@ eager.
 Invariants: a padded row is a copy of row 0 (same token, position, slot and block table), so it
 writes the very K/V row 0 writes to row 0's slot and reads only row 0's blocks: padding never
 touches another sequence's cache. Graphs share one memory pool and are captured largest first
-where `DecodeGraphs.capture_all` runs; the logits returned are a copy (the graph's output buffer is
-rewritten by the next replay). The step function must not read the batch's host-side lengths
+where `DecodeGraphs.capture_all` runs; a graph reads the model and cache it was captured over, so
+other ones drop the graphs; the logits returned are a copy (the graph's output buffer is rewritten
+by the next replay). The step function must not read the batch's host-side lengths
 (placeholders here) nor sync with the host.
 """
 
@@ -70,6 +71,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool: _POOL_HANDLE | None = None  # shared by every rung's graph
+        self.bound: tuple[object, ...] = ()  # the model and cache the graphs were captured over
 
     def static_batch(self, rung: int) -> DecodeBatch:
         """The static buffers' first ``rung`` rows as a batch (host lengths: upper-bound placeholders)."""
@@ -100,8 +102,9 @@ class DecodeGraphs:
         self.pool = graph.pool()
         self.graphs[rung] = graph
 
-    def capture_all(self, step: Step) -> None:
+    def capture_all(self, step: Step, bound: tuple[object, ...]) -> None:
         """Capture every rung, largest first, on a dummy batch (slot 0 of block 0: only before serving)."""
+        self.bound = bound
         for rung in reversed(self.ladder):
             if rung not in self.graphs:
                 self.token_ids[:rung].zero_()
@@ -110,8 +113,16 @@ class DecodeGraphs:
                 self.block_table[:rung].zero_()
                 self.capture(step, rung)
 
-    def run(self, step: Step, batch: DecodeBatch) -> torch.Tensor | None:
-        """fp32 logits [B, vocab] of ``batch`` by replay (capturing its rung first if needed); None: run eager."""
+    def run(self, step: Step, batch: DecodeBatch, bound: tuple[object, ...]) -> torch.Tensor | None:
+        """fp32 logits [B, vocab] of ``batch`` by replay (capturing its rung first if needed); None: run eager.
+
+        ``bound``: what the step reads besides the buffers (the model, the cache); graphs captured
+        over other objects are dropped first, since they read those objects' memory.
+        """
+        if bound != self.bound:
+            self.graphs.clear()
+            self.logits.clear()
+            self.bound = bound
         rung = rung_for(batch.batch, self.ladder)
         if rung is None or batch.block_table.shape[1] > self.width:
             return None

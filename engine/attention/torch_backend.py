@@ -180,7 +180,8 @@ class TorchBackend(AttentionBackend):
     def decode_step(self, model: LlamaModel, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
         if self.graphs is not None:
             logits = self.graphs.run(lambda b: model.logits(model.forward(b.token_ids, cache,
-                                                                          self.prepare_decode(b, cache))), batch)
+                                                                          self.prepare_decode(b, cache))),
+                                     batch, (model, cache))
             if logits is not None:
                 return logits
         return super().decode_step(model, batch, cache)
@@ -189,7 +190,8 @@ class TorchBackend(AttentionBackend):
         """Capture every rung's decode graph before serving (writes slot 0 of block 0)."""
         if self.graphs is not None:
             self.graphs.capture_all(lambda b: model.logits(model.forward(b.token_ids, cache,
-                                                                         self.prepare_decode(b, cache))))
+                                                                         self.prepare_decode(b, cache))),
+                                    (model, cache))
 
     def describe(self) -> str:
         flex = "flex compiled" if self.compiled else "flex eager"

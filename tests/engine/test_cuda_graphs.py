@@ -53,8 +53,8 @@ def test_batches_beyond_the_ladder_or_the_table_width_run_eager() -> None:
     def step(_: object) -> torch.Tensor:
         raise AssertionError("must not capture")
 
-    assert graphs.run(step, decode_batch([1, 2, 3], tables, BS, width=2)) is None
-    assert graphs.run(step, decode_batch([1], tables[:1], BS, width=3)) is None
+    assert graphs.run(step, decode_batch([1, 2, 3], tables, BS, width=2), ()) is None
+    assert graphs.run(step, decode_batch([1], tables[:1], BS, width=3), ()) is None
 
 
 class StubModel:
@@ -83,11 +83,12 @@ def test_captured_decode_steps_equal_eager_steps() -> None:
     eager.graphs = None
     assert graphed.graphs is not None and graphed.graphs.ladder == (1, 2, 4)
     caches = [make_cache(spec, NB, BS, seed=5) for _ in range(2)]
+    models = StubModel(eager), StubModel(graphed)  # a graph reads the model it was captured over
     tables = scattered_tables([4, 4, 4, 4, 4], NB)
     for positions in ([3, 30, 50], [4, 31, 51], [9], [5, 32, 52, 60, 61]):  # rungs 4, 4, 1, then eager
         batch = decode_batch(positions, tables[: len(positions)], BS, width=4, device="cuda")
-        want = eager.decode_step(StubModel(eager), batch, caches[0])  # type: ignore[arg-type]
-        got = graphed.decode_step(StubModel(graphed), batch, caches[1])  # type: ignore[arg-type]
+        want = eager.decode_step(models[0], batch, caches[0])  # type: ignore[arg-type]
+        got = graphed.decode_step(models[1], batch, caches[1])  # type: ignore[arg-type]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # fp32; padded shapes may tile differently
         torch.testing.assert_close(caches[1].k[0], caches[0].k[0], atol=1e-5, rtol=1e-5)
     assert sorted(graphed.graphs.graphs) == [1, 4]

@@ -22,6 +22,7 @@ from engine.attention.flex_meta import Q_BLOCK
 from engine.attention.registry import backend_class
 from engine.attention.torch_backend import TorchBackend, TorchStep
 from engine.config import EngineConfig
+from engine.model.rope_params import RopeScaling
 from tests.support.attention_oracle import reference_decode, reference_prefill
 from tests.support.markers import needs_cxx
 from tests.support.paged_batches import decode_batch, make_cache, make_spec, prefill_batch, scattered_tables
@@ -36,8 +37,9 @@ LAYERS = (LayerAttention(0, SCALE), LayerAttention(0, SCALE, window=8), LayerAtt
 
 
 def backend(dtype: torch.dtype = torch.float32, compiled: bool | None = False,
-            layers: tuple[LayerAttention, ...] = LAYERS, device: str = "cpu") -> TorchBackend:
-    spec = make_spec(layers, partial_factors=(1.0, 0.5), dtype=dtype, device=device)
+            layers: tuple[LayerAttention, ...] = LAYERS, device: str = "cpu",
+            scaling: RopeScaling | None = None) -> TorchBackend:
+    spec = make_spec(layers, partial_factors=(1.0, 0.5), dtype=dtype, device=device, scaling=scaling)
     config = EngineConfig(device=device, dtype="float32", block_size=BS, num_blocks=NB)
     return TorchBackend(spec, config, compiled=compiled)
 
@@ -48,12 +50,16 @@ def qkv_for(b: TorchBackend, tokens: int, seed: int) -> torch.Tensor:
     return torch.randn(tokens, width, generator=g).to(b.spec.device, b.spec.dtype)  # [T, q + 2kv]
 
 
+def scaling(b: TorchBackend) -> RopeScaling | None:
+    return b.spec.ropes[0].rope.params.scaling
+
+
 def check_prefill(b: TorchBackend, starts: list[int], lens: list[int], shared: int = 0, tol: float = 1e-5) -> None:
     tables = scattered_tables([-(-(s + n) // BS) for s, n in zip(starts, lens, strict=True)], NB, seed=1, shared=shared)
     batch = prefill_batch(starts, lens, tables, BS)
     cache = make_cache(b.spec, NB, BS)
     meta = b.prepare_prefill(prefill_batch(starts, lens, tables, BS, device=b.spec.device.type), cache)
-    ref_spec = make_spec(b.spec.layers, partial_factors=(1.0, 0.5))  # fp32 oracle
+    ref_spec = make_spec(b.spec.layers, partial_factors=(1.0, 0.5), scaling=scaling(b))  # fp32 oracle
     for layer in range(len(b.spec.layers)):
         qkv = qkv_for(b, sum(lens), seed=layer)
         ref_cache = make_cache(ref_spec, NB, BS)
@@ -73,7 +79,7 @@ def check_decode(b: TorchBackend, positions: list[int], tol: float = 1e-5) -> No
     batch = decode_batch(positions, tables, BS, width=8)
     cache = make_cache(b.spec, NB, BS, seed=3)
     meta = b.prepare_decode(decode_batch(positions, tables, BS, width=8, device=b.spec.device.type), cache)
-    ref_spec = make_spec(b.spec.layers, partial_factors=(1.0, 0.5))
+    ref_spec = make_spec(b.spec.layers, partial_factors=(1.0, 0.5), scaling=scaling(b))
     for layer in range(len(b.spec.layers)):
         qkv = qkv_for(b, len(positions), seed=10 + layer)
         ref_cache = make_cache(ref_spec, NB, BS)
@@ -104,6 +110,14 @@ def test_chunks_sharing_prefix_blocks_in_one_tile() -> None:
 
 def test_decode_rows_of_different_lengths_with_padded_tables() -> None:
     check_decode(backend(), [0, 5, 16, 40, 77, 100])
+
+
+def test_length_dependent_rope_takes_each_forward_calls_table() -> None:
+    """Dynamic NTK: prompts longer than 32 tokens rotate by a grown base, in prefill and in decode."""
+    b = backend(scaling=RopeScaling("dynamic", 2.0, max_position_embeddings=32))
+    assert b.spec.length_dependent
+    check_prefill(b, [0, 20, 0], [40, 30, 10])
+    check_decode(b, [10, 40, 77])
 
 
 def test_bf16_within_its_rounding() -> None:

@@ -2,7 +2,8 @@
 
 Owns: `reference_prefill` and `reference_decode`: one layer's attention output and the cache after
 it, computed with `RotaryEmbedding.apply` (transformers' ``rotate_half`` form, not the backends'
-rolled tables), `write_kv` into copies of the cache, `prefill_attention` over the chunk's context
+rolled tables; a length-dependent RoPE's table from the prompt's whole length in a prefill, from
+position + 1 in decode), `write_kv` into copies of the cache, `prefill_attention` over the chunk's context
 slots one chunk at a time, and `decode_attention` over each row's gathered slots.
 """
 
@@ -19,17 +20,19 @@ from tests.support.paged_batches import slots_of
 Result = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # out [T, H * D], k cache, v cache
 
 
-def _rotated(spec: AttentionSpec, layer: int, qkv: torch.Tensor, positions: torch.Tensor
+def _rotated(spec: AttentionSpec, layer: int, qkv: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k rotated by the table of each token's forward-call length ``lens`` [T] where the RoPE reads it."""
     q, k, v = spec.split(qkv)
-    q, k = spec.ropes[spec.layers[layer].rope].rope.apply(q, k, positions)
+    q, k = spec.ropes[spec.layers[layer].rope].rope.apply(q, k, positions, lens if spec.length_dependent else None)
     return q, k, v
 
 
 def reference_prefill(spec: AttentionSpec, layer: int, qkv: torch.Tensor, cache: KVCache,
                       batch: PrefillBatch) -> Result:
     rule = spec.layers[layer]
-    q, k, v = _rotated(spec, layer, qkv, batch.positions)
+    lens = torch.tensor(batch.prompt_lens).repeat_interleave(torch.tensor(batch.seq_lens))  # a prompt's whole length
+    q, k, v = _rotated(spec, layer, qkv, batch.positions, lens)
     kc, vc = cache.k[layer].clone(), cache.v[layer].clone()
     write_kv(kc, vc, batch.slots, k, v)
     outs = []
@@ -45,7 +48,7 @@ def reference_prefill(spec: AttentionSpec, layer: int, qkv: torch.Tensor, cache:
 def reference_decode(spec: AttentionSpec, layer: int, qkv: torch.Tensor, cache: KVCache,
                      batch: DecodeBatch) -> Result:
     rule = spec.layers[layer]
-    q, k, v = _rotated(spec, layer, qkv, batch.positions)
+    q, k, v = _rotated(spec, layer, qkv, batch.positions, batch.positions + 1)
     kc, vc = cache.k[layer].clone(), cache.v[layer].clone()
     write_kv(kc, vc, batch.slots, k, v)
     length = int(batch.positions.max()) + 1

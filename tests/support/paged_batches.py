@@ -18,7 +18,7 @@ from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model.rope import RopeTables, RotaryEmbedding
-from engine.model.rope_params import RopeParams
+from engine.model.rope_params import RopeParams, RopeScaling
 
 MAX_POSITIONS = 256
 
@@ -32,14 +32,15 @@ def model_config(num_heads: int, num_kv_heads: int, head_dim: int, num_layers: i
 
 def make_spec(layers: Sequence[LayerAttention], partial_factors: Sequence[float] = (1.0,), num_heads: int = 4,
               num_kv_heads: int = 2, head_dim: int = 16, dtype: torch.dtype = torch.float32,
-              device: str = "cpu") -> AttentionSpec:
+              device: str = "cpu", scaling: RopeScaling | None = None) -> AttentionSpec:
     """A spec whose ``ropes[i]`` rotates the first ``partial_factors[i]`` share of each head."""
     cfg = model_config(num_heads, num_kv_heads, head_dim, len(layers))
     dev = torch.device(device)
-    ropes = [RopeTables(RotaryEmbedding(cfg, MAX_POSITIONS, dev, RopeParams(10000.0, None, f)), dtype)
-             for f in partial_factors]
+    params = [RopeParams(10000.0, scaling, f) for f in partial_factors]
+    ropes = [RopeTables(RotaryEmbedding(cfg, MAX_POSITIONS, dev, p), dtype) for p in params]
     return AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, layers=tuple(layers),
-                         ropes=ropes, length_dependent=False, device=dev, dtype=dtype)
+                         ropes=ropes, length_dependent=any(p.length_dependent for p in params), device=dev,
+                         dtype=dtype)
 
 
 def make_cache(spec: AttentionSpec, num_blocks: int, block_size: int, seed: int = 0) -> KVCache:
