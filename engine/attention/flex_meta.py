@@ -27,9 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
+
+if TYPE_CHECKING:  # imported where used: a torch without FlexAttention still imports this module
+    from torch.nn.attention.flex_attention import BlockMask
 
 #: Query tokens per tile of a prefill block mask (the GPU kernel runs with BLOCK_M = Q_BLOCK).
 Q_BLOCK = 16
@@ -91,6 +94,8 @@ def softcap_score_mod(cap: float) -> Callable[..., torch.Tensor]:
 def decode_masks(block_table: torch.Tensor, positions: torch.Tensor, block_size: int, total_blocks: int,
                  windows: Sequence[int | None]) -> PagedMasks:
     """Masks of one decode step: block_table [B, W] (padded), positions [B]; device tensors only."""
+    from torch.nn.attention.flex_attention import BlockMask
+
     b, width = block_table.shape
     dev = block_table.device
     p2l = physical_to_logical(block_table, positions // block_size + 1, total_blocks)
@@ -116,6 +121,8 @@ def prefill_masks(block_tables: Sequence[torch.Tensor], positions: torch.Tensor,
                   windows: Sequence[int | None]) -> PagedMasks:
     """Masks of packed prefill chunks (chunk i: ``seq_lens[i]`` tokens from ``start_positions[i]``, block
     table ``block_tables[i]``), planned from the host-side lengths; positions [T] on the device."""
+    from torch.nn.attention.flex_attention import BlockMask
+
     dev = positions.device
     ends = [s + n for s, n in zip(start_positions, seq_lens, strict=True)]
     nblocks = [-(-e // block_size) for e in ends]

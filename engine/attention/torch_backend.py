@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import inspect
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+Kernel = Callable[..., torch.Tensor]
+
 
 @dataclass
 class TorchStep:
@@ -79,7 +82,7 @@ class TorchBackend(AttentionBackend):
         super().__init__(spec, config)
         cuda = spec.device.type == "cuda"
         self.compiled = (cuda or _has_cxx()) if compiled is None else compiled
-        self.flex = torch.compile(_flex(), fullgraph=True) if self.compiled else _flex()
+        self.flex: Kernel = torch.compile(_flex(), fullgraph=True) if self.compiled else _flex()
         self.windows = sorted({layer.window for layer in spec.layers}, key=lambda w: -1 if w is None else w)
         self.score_mods = {c: softcap_score_mod(c) for c in {layer.softcap for layer in spec.layers} if c is not None}
         # CUDA: tiles of the cache's block size (BLOCK_N); packed prefill on the main kernel with the
@@ -91,7 +94,7 @@ class TorchBackend(AttentionBackend):
                 False: {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": Q_BLOCK, "BLOCK_N": config.block_size},
                 True: {"BLOCK_N": config.block_size},
             }
-        self.varlen = cuda and spec.dtype in (torch.float16, torch.bfloat16) and _varlen() is not None
+        self.varlen = _varlen() if cuda and spec.dtype in (torch.float16, torch.bfloat16) else None
         self.graphs: DecodeGraphs | None = None
         if cuda and getattr(config, "cuda_graphs", True) and not spec.length_dependent:
             from engine.attention.cuda_graphs import DecodeGraphs
@@ -121,9 +124,10 @@ class TorchBackend(AttentionBackend):
         dev = batch.positions.device
         if self.spec.length_dependent:
             lens = to_device(torch.tensor(batch.prompt_lens).repeat_interleave(torch.tensor(batch.seq_lens)), dev)
-        fresh = batch.fresh and (self.varlen or self.spec.device.type == "cpu")
-        cu = to_device(torch.tensor([0, *batch.seq_lens]).cumsum(0, dtype=torch.int32), dev) if fresh and self.varlen \
-            else None
+        fresh = batch.fresh and (self.varlen is not None or self.spec.device.type == "cpu")
+        cu = None
+        if fresh and self.varlen is not None:
+            cu = to_device(torch.tensor([0, *batch.seq_lens]).cumsum(0, dtype=torch.int32), dev)
         needs_flex = not fresh or self.spec.windowed or self.spec.softcapped
         paged = prefill_masks(batch.block_tables, batch.positions, batch.seq_lens, batch.start_positions,
                               cache.block_size, cache.num_blocks, self.windows) if needs_flex else None
@@ -154,7 +158,8 @@ class TorchBackend(AttentionBackend):
         keys = cache.k[layer].view(1, nb * bs, kvh, d).transpose(1, 2)  # [1, KV, NB * bs, D], in place
         values = cache.v[layer].view(1, nb * bs, kvh, d).transpose(1, 2)
         qh = q.unsqueeze(2) if meta.decode else q.transpose(0, 1).unsqueeze(0)  # [B, H, 1, D] / [1, H, T, D]
-        out = self.flex(qh, keys, values, score_mod=self.score_mods.get(rule.softcap),  # type: ignore[arg-type]
+        score_mod = None if rule.softcap is None else self.score_mods[rule.softcap]
+        out = self.flex(qh, keys, values, score_mod=score_mod,
                         block_mask=meta.paged.masks[rule.window], scale=rule.scale,
                         enable_gqa=self.spec.num_heads != kvh,
                         kernel_options=None if self.kernel_options is None else self.kernel_options[meta.decode])
@@ -166,10 +171,9 @@ class TorchBackend(AttentionBackend):
         """Causal attention within each packed fresh chunk: q [T, H, D], k/v [T, KV, D] → [T, H, D]."""
         lens = meta.fresh_lens
         assert lens is not None
-        if meta.fresh_cu is not None:
+        if meta.fresh_cu is not None and self.varlen is not None:
             cu, most = meta.fresh_cu, max(lens)
-            return _varlen()(q, k, v, cu, cu, most, most, scale=scale, window_size=(-1, 0),  # type: ignore[misc]
-                             enable_gqa=True)
+            return self.varlen(q, k, v, cu, cu, most, most, scale=scale, window_size=(-1, 0), enable_gqa=True)
         outs = []
         for qc, kc, vc in zip(q.split(lens), k.split(lens), v.split(lens), strict=True):
             o = F.scaled_dot_product_attention(qc.transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1),
@@ -179,9 +183,7 @@ class TorchBackend(AttentionBackend):
 
     def decode_step(self, model: LlamaModel, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
         if self.graphs is not None:
-            logits = self.graphs.run(lambda b: model.logits(model.forward(b.token_ids, cache,
-                                                                          self.prepare_decode(b, cache))),
-                                     batch, (model, cache))
+            logits = self.graphs.run(self._step(model, cache), batch, (model, cache))
             if logits is not None:
                 return logits
         return super().decode_step(model, batch, cache)
@@ -189,13 +191,17 @@ class TorchBackend(AttentionBackend):
     def warm_up(self, model: LlamaModel, cache: KVCache) -> None:
         """Capture every rung's decode graph before serving (writes slot 0 of block 0)."""
         if self.graphs is not None:
-            self.graphs.capture_all(lambda b: model.logits(model.forward(b.token_ids, cache,
-                                                                         self.prepare_decode(b, cache))),
-                                    (model, cache))
+            self.graphs.capture_all(self._step(model, cache), (model, cache))
+
+    def _step(self, model: LlamaModel, cache: KVCache) -> Callable[[DecodeBatch], torch.Tensor]:
+        """A decode step as `AttentionBackend.decode_step` runs it, metadata included (what a graph captures)."""
+        return lambda b: model.logits(model.forward(b.token_ids, cache, self.prepare_decode(b, cache)))
 
     def describe(self) -> str:
         flex = "flex compiled" if self.compiled else "flex eager"
-        fresh = "varlen flash" if self.varlen else "sdpa per chunk" if self.spec.device.type == "cpu" else "flex"
+        fresh = "flex"
+        if self.varlen is not None or self.spec.device.type == "cpu":
+            fresh = "varlen flash" if self.varlen is not None else "sdpa per chunk"
         graphs = f", cuda graphs {self.graphs.ladder}" if self.graphs is not None else ""
         return f"torch ({flex}; fresh prompts: {fresh}{graphs})"
 
@@ -204,19 +210,19 @@ def _has_cxx() -> bool:
     return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
-def _flex():  # type: ignore[no-untyped-def]
+def _flex() -> Kernel:
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention
 
 
-def _varlen():  # type: ignore[no-untyped-def]
+def _varlen() -> Kernel | None:
     """`varlen_attn` where this torch has it with ``window_size`` (causal as ``(-1, 0)``), else None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+    return cast(Kernel, varlen_attn) if "window_size" in inspect.signature(varlen_attn).parameters else None
 
 
 def _table_width(config: EngineConfig) -> int:
