@@ -3,11 +3,12 @@
 Every layer kind (GQA 4 heads / 2 KV heads, a sliding window, a soft-cap, partial rotary) through
 packed fresh chunks, chunks after a prefix in scattered blocks, and decode rows with padded block
 tables, over a cache whose every other slot holds random values (a leak shows). fp32 within 1e-5.
-bf16 against the fp32 oracle on the same (bf16-rounded) inputs within 3e-2: bf16 keeps 8 significant
-bits (a step of 2^-8 relative), and q, k (after rotation), the attention weights and the output are
-each rounded once, on values of magnitude up to ~8 here; a key wrongly seen or hidden moves an
-output by far more. Flex runs eager here (the block lists are checked on their own, and one test
-runs the compiled kernel, which reads only the listed blocks).
+bf16 against the fp32 oracle on the same (bf16-rounded) inputs within atol = rtol = 5e-2: bf16 keeps
+8 significant bits (a relative step of 2^-8), q and k are rounded after rotation, and scores here
+reach ~10 (scale 0.25 over 16 dims of values up to ~8), so a score moves by up to ~0.04 and a
+weight by ~4%; outputs, convex combinations of values up to ~8, move by a few hundredths. A key
+wrongly seen or hidden moves an output by ~1. Flex runs eager here (the block lists are checked on
+their own, and one test runs the compiled kernel, which reads only the listed blocks).
 """
 
 from __future__ import annotations
@@ -122,8 +123,8 @@ def test_length_dependent_rope_takes_each_forward_calls_table() -> None:
 
 def test_bf16_within_its_rounding() -> None:
     b = backend(torch.bfloat16)
-    check_prefill(b, [0, 21], [12, 30], tol=3e-2)
-    check_decode(b, [3, 33, 64], tol=3e-2)
+    check_prefill(b, [0, 21], [12, 30], tol=5e-2)
+    check_decode(b, [3, 33, 64], tol=5e-2)
 
 
 @pytest.mark.gpu
@@ -131,7 +132,7 @@ def test_bf16_within_its_rounding() -> None:
 def test_on_cuda_equals_the_reference(dtype: torch.dtype) -> None:
     """Compiled flex and, in bf16, FlashAttention's varlen kernel for the fresh chunks."""
     b = backend(dtype, compiled=None, device="cuda")
-    tol = 1e-4 if dtype == torch.float32 else 3e-2  # fp32: the GPU kernels reassociate more
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # fp32: the GPU kernels reassociate more
     check_prefill(b, [0, 0, 0], [5, 17, 40], tol=tol)
     check_prefill(b, [16, 37, 0, 70], [9, 20, 3, 1], shared=0, tol=tol)
     check_prefill(b, [32, 32, 33], [3, 5, 4], shared=2, tol=tol)
