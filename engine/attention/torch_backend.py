@@ -13,12 +13,11 @@ What runs where, per layer (the same code on CPU and CUDA, so CPU tests exercise
   ``is_causal`` call per chunk (the CPU flash kernel). A flex document mask would keep CUDA off
   FlashAttention, and SDPA with a block-diagonal mask falls to the math kernel under GQA. Elsewhere
   (fp32 on CUDA, where FlashAttention does not run) fresh chunks take the flex path.
-- flex runs compiled (`torch.compile(flex_attention)`: the first shapes static, then one
-  dynamic-shape recompile; ``dynamic=True`` from the start does not build on CPU) on CUDA and on
-  CPUs with a C++ compiler (inductor's CPU flash kernel), else eager. Eager flex evaluates the
-  mask over every cache slot (exact, but memory grows with the cache), so `unavailable` refuses a
-  CPU without a compiler; the tests build backends with ``compiled=False`` for speed and check the
-  block lists separately, and one test runs compiled.
+- flex runs compiled on CUDA (`torch.compile(flex_attention)`: the first shapes static, then one
+  dynamic-shape recompile), and eager on a CPU (``compiled=True`` there takes inductor's CPU flex
+  kernel where it builds): on a CPU this backend is the exact twin CI runs of what a GPU runs, not a
+  CPU speed path (that is the ``cpu`` backend); eager flex evaluates the mask over every cache slot,
+  exact but with memory that grows with the cache.
 - decode steps on CUDA with ``config.cuda_graphs`` replay CUDA graphs (`engine.attention.cuda_graphs`).
 
 Invariants: metadata (RoPE rows per table, block masks per window) is built once per step from
@@ -29,7 +28,6 @@ depend on other rows (padding rows and block-table padding are masked by the inv
 from __future__ import annotations
 
 import inspect
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -81,7 +79,7 @@ class TorchBackend(AttentionBackend):
     def __init__(self, spec: AttentionSpec, config: EngineConfig, compiled: bool | None = None) -> None:
         super().__init__(spec, config)
         cuda = spec.device.type == "cuda"
-        self.compiled = (cuda or _has_cxx()) if compiled is None else compiled
+        self.compiled = cuda if compiled is None else compiled
         self.flex: Kernel = torch.compile(_flex(), fullgraph=True) if self.compiled else _flex()
         self.windows = sorted({layer.window for layer in spec.layers}, key=lambda w: -1 if w is None else w)
         self.score_mods = {c: softcap_score_mod(c) for c in {layer.softcap for layer in spec.layers} if c is not None}
@@ -113,8 +111,6 @@ class TorchBackend(AttentionBackend):
             return f"dtype {spec.dtype} is not one of {_DTYPES}"
         if spec.head_dim < 16 or spec.head_dim % 8:
             return f"head_dim {spec.head_dim} is not a multiple of 8 of at least 16"
-        if spec.device.type == "cpu" and not _has_cxx():
-            return "no C++ compiler for inductor's CPU FlexAttention kernel (eager flex scores the whole cache)"
         if spec.device.type == "cuda" and config.block_size % 16:
             return f"block_size {config.block_size} is not a multiple of 16 (a FlexAttention tile on CUDA)"
         return None
@@ -204,10 +200,6 @@ class TorchBackend(AttentionBackend):
             fresh = "varlen flash" if self.varlen is not None else "sdpa per chunk"
         graphs = f", cuda graphs {self.graphs.ladder}" if self.graphs is not None else ""
         return f"torch ({flex}; fresh prompts: {fresh}{graphs})"
-
-
-def _has_cxx() -> bool:
-    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
 def _flex() -> Kernel:

@@ -13,8 +13,6 @@ their own, and one test runs the compiled kernel, which reads only the listed bl
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -207,7 +205,6 @@ def test_registered_and_available_on_cpu() -> None:
     assert backend_class("torch") is TorchBackend
     config = EngineConfig(block_size=BS, num_blocks=NB)
     why = TorchBackend.unavailable(make_spec(LAYERS, (1.0, 0.5)), config)
-    has_cxx = any(shutil.which(c) for c in ("g++", "c++", "clang++"))
-    assert why is None if has_cxx else "C++ compiler" in str(why)
+    assert why is None  # eager flex on a CPU: no compiler needed
     assert "head_dim 12" in str(TorchBackend.unavailable(make_spec(LAYERS, (1.0, 0.5), head_dim=12), config))
     assert "float64" in str(TorchBackend.unavailable(make_spec(LAYERS, (1.0, 0.5), dtype=torch.float64), config))
