@@ -287,7 +287,8 @@ class DecodeWorker:
             pre, scored = runner.prefill_scored(chunks, asks)  # [len(chunks), V]
             rows += [pre[row : row + 1].expand(len(states), -1) for row, states in ending]  # [n, V] each
         states = decode + [s for _, group in ending for s in group]
-        out = sample(torch.cat(rows), states) if states else Sampled([], [], [])
+        x = rows[0].contiguous() if len(rows) == 1 else torch.cat(rows) if rows else None  # [rows, V]
+        out = sample(x, states) if x is not None else Sampled([], [], [])
         self.step_cpu_seconds += time.thread_time() - cpu0  # < the step's wall time by its waits (GIL, cores)
         return out, scored
 
