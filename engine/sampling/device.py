@@ -149,14 +149,14 @@ def _sorted_cut(a: torch.Tensor, top: torch.Tensor, cut: torch.Tensor, temp: tor
                 top_p: torch.Tensor) -> torch.Tensor:
     """a: [n, V] fp32, top: [n] fp32 row maxima, cut (min-p's) / temp / k / top_p: [n] float64 →
     [n] float64 cuts after top-k (the k-th largest, ties kept) and top-p (ties with its last kept)."""
-    s = a.sort(dim=-1, descending=True).values.double()  # [n, V]
-    kth = s.gather(1, (k.long() - 1).clamp(min=0)[:, None])[:, 0]  # [n]
-    lo = torch.where(k > 0, torch.maximum(cut, kth), cut)
-    w = ((s - top.double()[:, None]) / temp[:, None]).exp()  # [n, V]
-    alive = s >= lo[:, None]
-    w = torch.where(alive, w, 0.0)
-    mass = w.cumsum(dim=-1)  # [n, V]
-    goal = top_p * mass[:, -1]  # [n]: renormalized over what min-p and top-k left
-    kept = (alive & (mass - w < goal[:, None])).sum(dim=-1)  # [n] >= 1: mass strictly before < goal
-    nucleus = torch.maximum(lo, s.gather(1, (kept - 1)[:, None])[:, 0])
+    s = a.sort(dim=-1, descending=True).values  # [n, V] fp32
+    kth = s.gather(1, (k.long() - 1).clamp(min=0)[:, None])[:, 0].double()  # [n]
+    lo = torch.where(k > 0, torch.maximum(cut, kth), cut)  # [n] float64 holding fp32 values
+    alive = s >= lo.float()[:, None]  # [n, V]; exact
+    w = s.double().sub_(top.double()[:, None]).div_(temp[:, None]).exp_().masked_fill_(~alive, 0.0)  # [n, V]
+    before = w.cumsum(dim=-1)  # [n, V]
+    goal = top_p * before[:, -1]  # [n]: renormalized over what min-p and top-k left
+    before.sub_(w)  # the mass strictly before each token
+    kept = (alive & (before < goal[:, None])).sum(dim=-1)  # [n] >= 1
+    nucleus = torch.maximum(lo, s.gather(1, (kept - 1)[:, None])[:, 0].double())
     return torch.where(top_p < 1.0, nucleus, lo)
