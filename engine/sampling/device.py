@@ -130,8 +130,8 @@ def _draw(a: torch.Tensor, params: Sequence[Truncation], u: np.ndarray) -> torch
         index = send(torch.from_numpy(deep), a.device)  # [n]
         sub = _sorted_cut(*(t.index_select(0, index) for t in (a, top, cut, temp_d, k_d, top_p_d)))
         cut = cut.index_copy(0, index, sub)
-    w = ((a - top[:, None]) / temp_d.float()[:, None]).exp()  # [b, V] fp32 weights
-    w = torch.where(a >= cut.float()[:, None], w, 0.0)  # cuts are fp32 values: exact
+    w = a.sub(top[:, None]).div_(temp_d.float()[:, None]).exp_()  # [b, V] fp32 weights
+    w.masked_fill_(a < cut.float()[:, None], 0.0)  # cuts are fp32 values: exact
     cdf = w.double().cumsum(dim=-1)  # [b, V]
     total = cdf[:, -1:].contiguous()  # [b, 1]
     j = torch.searchsorted(cdf, u_d[:, None] * total, right=True)  # the first running sum past u * total
