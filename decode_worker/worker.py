@@ -24,8 +24,10 @@ Several choices (`DecodeRequest.choices`): one stream each, as a `decode_worker.
 whose head takes the prompt's KV and whose forks share it (`decode_worker.scheduler`); the worker
 makes their copies of a shared partial block when the KV is in and (colocated) samples each one's token 0.
 
-Invariants: the scheduler, pool and streams are touched only on the event loop; the model runs on the
-engine's `ModelThread`, one forward at a time; each stream gets exactly one final event; ending the
+Invariants: the scheduler, pool and streams are touched only on the event loop, except the sampler
+states of a step's rows, which only that step's model-thread call reads and records into; the model
+runs on the engine's `ModelThread`, one forward at a time, and the step's sampling with it (one
+`sample` call), so nothing on the event loop waits on the device; each stream gets exactly one final event; ending the
 head of a group before its KV is in ends every stream of the group.
 """
 
@@ -52,7 +54,7 @@ from engine.prefill_planner import grant_tokens
 from engine.runner import DecodeSeq, PrefillChunk
 from engine.sampling.grammar import GrammarVocab, load_grammar
 from engine.sampling.prompt_logprobs import PromptLogprobs, ScoreAsk, check_prompt_logprobs, chunk_ask
-from engine.sampling.sampler import TopLogprobs, sample
+from engine.sampling.sampler import Sampled, SamplerState, TopLogprobs, sample
 from engine.step_loop import StepLoop
 
 log = logging.getLogger(__name__)
@@ -93,7 +95,7 @@ class DecodeWorker:
         self.num_steps = 0
         self.step_seconds = 0.0  # inside the model thread's forwards, summed over steps
         self.step_sequences = 0
-        self.step_cpu_seconds = 0.0  # CPU time of the model thread in those forwards
+        self.step_cpu_seconds = 0.0  # CPU time of the model thread in those steps (forwards and sampling)
         self.num_finished = 0
         self.num_swapped_out = 0
 
@@ -245,9 +247,13 @@ class DecodeWorker:
         seqs = [self._decode_seq(st) for st in decode]
         asks = [chunk_ask(st.req.prompt_token_ids, c.start_pos, len(c.token_ids), st.req.prompt_logprobs)
                 for st, c in zip(prefill_streams, chunks, strict=True)]
-        try:
+        # the prefill groups whose prompt this step completes: token 0 of each of their choices
+        ending = [(row, [m.sampler for m in g.streams]) for row, (g, c) in enumerate(zip(prefill_groups, chunks,
+                  strict=True)) if g.head.prefilled + len(c.token_ids) == len(g.head.req.prompt_token_ids)]
+        try:  # the forward and the sampling, off the event loop: the loop never waits on the device
             t0 = time.monotonic()
-            dec_logits, pre_logits, scored = await self.engine.model_thread.run(self._forward, seqs, chunks, asks)
+            sampled, scored = await self.engine.model_thread.run(self._forward, seqs, chunks, asks,
+                                                                 [st.sampler for st in decode], ending)
             dt = time.monotonic() - t0
         except Exception as e:
             log.exception("decode step failed")
@@ -257,20 +263,34 @@ class DecodeWorker:
         self.num_steps += 1
         self.step_seconds += dt
         self.step_sequences += len(seqs)
-        if dec_logits is not None:
-            self._after_decode(decode, dec_logits)
-        if pre_logits is not None:
-            self._after_prefill(prefill_groups, chunks, pre_logits, scored, dt)
+        if decode:
+            self._after_decode(decode, sampled.rows(0, len(decode)))
+        if chunks:
+            firsts, at = {}, len(decode)
+            for row, states in ending:
+                firsts[row] = sampled.rows(at, at + len(states))
+                at += len(states)
+            self._after_prefill(prefill_groups, chunks, firsts, scored, dt)
 
     def _forward(
-        self, seqs: list[DecodeSeq], chunks: list[PrefillChunk], asks: list[ScoreAsk | None]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[PromptLogprobs | None]]:
+        self, seqs: list[DecodeSeq], chunks: list[PrefillChunk], asks: list[ScoreAsk | None],
+        decode: list[SamplerState], ending: list[tuple[int, list[SamplerState]]],
+    ) -> tuple[Sampled, list[PromptLogprobs | None]]:
+        """On the model thread: the decode and prefill forwards, then one `sample` call (the step's
+        one wait on the device) over the decode rows (``decode``: their states) and, for each prefill
+        row in ``ending`` (row, its choices' states), that row once per choice."""
         cpu0 = time.thread_time()
         runner = self.engine.runner
-        dec = runner.decode(seqs) if seqs else None
-        pre, scored = runner.prefill_scored(chunks, asks) if chunks else (None, [])
+        rows = [runner.decode(seqs)] if seqs else []  # [B, V]
+        scored: list[PromptLogprobs | None] = []
+        if chunks:
+            pre, scored = runner.prefill_scored(chunks, asks)  # [len(chunks), V]
+            rows += [pre[row : row + 1].expand(len(states), -1) for row, states in ending]  # [n, V] each
+        states = decode + [s for _, group in ending for s in group]
+        x = rows[0].contiguous() if len(rows) == 1 else torch.cat(rows) if rows else None  # [rows, V]
+        out = sample(x, states) if x is not None else Sampled([], [], [])
         self.step_cpu_seconds += time.thread_time() - cpu0  # < the step's wall time by its waits (GIL, cores)
-        return dec, pre, scored
+        return out, scored
 
     def _decode_seq(self, st: Stream) -> DecodeSeq:
         seq = self.scheduler.get(st.seq_id)
@@ -344,9 +364,10 @@ class DecodeWorker:
         return chunks, groups
 
     def _after_prefill(
-        self, groups: list[ChoiceGroup], chunks: list[PrefillChunk], logits: torch.Tensor,
+        self, groups: list[ChoiceGroup], chunks: list[PrefillChunk], firsts: dict[int, Sampled],
         scored: list[PromptLogprobs | None], dt: float,
     ) -> None:
+        """``firsts``: per row whose prompt the step completed, token 0 of each of its group's choices."""
         for row, (group, chunk) in enumerate(zip(groups, chunks, strict=True)):
             st = group.head
             if st.seq_id not in self.streams:
@@ -360,15 +381,13 @@ class DecodeWorker:
                 continue
             self.prefilling.remove(group)
             group.kv_in(self.scheduler, self.engine.cache)
-            live = [m for m in group.streams if m.seq_id in self.streams]
             # token 0 of every choice from the same logits row, each with its own sampler (seed);
             # the prompt's log-probs ride on the head's
-            out = sample(logits[row : row + 1].expand(len(live), -1).contiguous(), [m.sampler for m in live])
-            for m, tok, lp, top in zip(live, *out, strict=True):
-                self._emit(m, tok, lp, top, st.prompt_scores if m is st else None)
+            for m, tok, lp, top in zip(group.streams, *firsts[row], strict=True):
+                if m.seq_id in self.streams:
+                    self._emit(m, tok, lp, top, st.prompt_scores if m is st else None)
 
-    def _after_decode(self, streams: list[Stream], logits: torch.Tensor) -> None:
-        out = sample(logits, [st.sampler for st in streams])
+    def _after_decode(self, streams: list[Stream], out: Sampled) -> None:
         for st, tok, lp, top in zip(streams, *out, strict=True):
             if st.seq_id not in self.streams:
                 continue  # aborted while the step ran; its blocks are already free

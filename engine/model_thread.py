@@ -1,7 +1,8 @@
 """`ModelThread`: the one thread that runs a process's model forwards, off the event loop.
 
-Owns: a single-worker executor per `Engine`. Every forward of a replica (its warm-up included) runs
-on this thread, so an async worker can await a forward while its event loop keeps serving.
+Owns: a single-worker executor per `Engine`. Every forward of a replica (its warm-up included), and
+the sampling that reads its logits, runs on this thread, so an async worker can await a step while
+its event loop keeps serving and never waits on the device itself.
 
 Why one thread and not `asyncio.to_thread`: the default executor hands each call to whichever of its
 threads is free, and glibc gives each thread its own malloc arena. A forward's temporaries then land

@@ -27,8 +27,11 @@ Life cycle of a request (each name is a queue or a state in this file):
    when the lease expires.
 
 Invariants: the model runs only in the step loop (one forward at a time, on the engine's
-`ModelThread`, so the event loop keeps serving); every block a job holds is freed exactly once — by the outbox, or here
-on failure or cancellation.
+`ModelThread`, so the event loop keeps serving); token 0 is sampled there too, right after the
+forward and in one `sample` call for the step, so nothing on the event loop waits on the device;
+jobs are touched only on the event loop, except the sampler states of the jobs a step completes,
+which only that step's model-thread call reads and records into; every block a job holds is freed
+exactly once — by the outbox, or here on failure or cancellation.
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ from engine.prefill_planner import grant_tokens, wants_more
 from engine.runner import PrefillChunk
 from engine.sampling.choices import choice_params
 from engine.sampling.grammar import GrammarError, GrammarVocab, load_grammar
-from engine.sampling.prompt_logprobs import PromptLogprobs, check_prompt_logprobs, chunk_ask
-from engine.sampling.sampler import SamplerState, sample
+from engine.sampling.prompt_logprobs import PromptLogprobs, ScoreAsk, check_prompt_logprobs, chunk_ask
+from engine.sampling.sampler import Sampled, SamplerState, sample
 from engine.step_loop import StepLoop
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
@@ -168,21 +171,50 @@ class PrefillWorker:
             return
         asks = [chunk_ask(j.prompt, c.start_pos, len(c.token_ids), j.req.prompt_logprobs)
                 for j, c in zip(jobs, chunks, strict=True)]
-        try:
-            logits, scored = await self.engine.model_thread.run(self.engine.runner.prefill_scored, chunks, asks)
+        ending = [(row, j) for row, (j, c) in enumerate(zip(jobs, chunks, strict=True))
+                  if len(c.token_ids) == j.remaining]  # jobs whose last chunk this step runs
+        try:  # the forward and token 0's sampling, off the event loop: the loop never waits on the device
+            scored, firsts = await self.engine.model_thread.run(self._forward, chunks, asks, ending)
         except Exception as e:  # a failed forward fails its jobs, never the worker
             log.exception("prefill forward failed")
             for job in jobs:
                 self._remove(job)
                 self._fail(job, e)
             return
+        ends = iter(firsts)
         for row, (job, chunk) in enumerate(zip(jobs, chunks, strict=True)):
             job.computed += len(chunk.token_ids)
             if (part := scored[row]) is not None:
                 job.scores = part if job.scores is None else job.scores + part
             if job.remaining == 0:
                 self._remove(job)
-                self._finish(job, logits[row : row + 1])
+                self._finish(job, next(ends))
+
+    def _forward(self, chunks: list[PrefillChunk], asks: list[ScoreAsk | None], ending: list[tuple[int, _Job]],
+                 ) -> tuple[list[PromptLogprobs | None], list[list[FirstToken] | GrammarError]]:
+        """On the model thread: the step's forward, then token 0 of every choice of the jobs whose
+        last chunk it ran (``ending``: (row, job), in row order) in one `sample` call, the step's one
+        wait on the device; per job its first tokens, or the `GrammarError` of a rejected token."""
+        logits, scored = self.engine.runner.prefill_scored(chunks, asks)  # [len(chunks), V]
+        firsts: list[list[FirstToken] | GrammarError] = []
+        sampled: list[tuple[int, _Job, list[SamplerState]]] = []  # (its place in firsts, job, choices' states)
+        rows: list[torch.Tensor] = []
+        for row, job in ending:
+            try:
+                states = self._choice_states(job)
+            except GrammarError as e:  # a choice's grammar does not compile: this job fails alone
+                firsts.append(e)
+                continue
+            sampled.append((len(firsts), job, states))
+            rows.append(logits[row : row + 1].expand(len(states), -1))  # [n, V]
+            firsts.append([])
+        if rows:
+            out = sample(torch.cat(rows), [s for _, _, states in sampled for s in states])  # [sum of n, V]
+            at = 0
+            for i, job, states in sampled:
+                firsts[i] = self._first_tokens(job, states, out.rows(at, at + len(states)))
+                at += len(states)
+        return scored, firsts
 
     def _plan(self) -> tuple[list[PrefillChunk], list[_Job]]:
         """Pick this step's chunks: admit FIFO as blocks allow, split the budget (`engine.prefill_planner`)."""
@@ -215,30 +247,32 @@ class PrefillWorker:
             job.num_chunks += 1
         return chunks, jobs
 
-    def _first_tokens(self, job: _Job, logits_row: torch.Tensor) -> list[FirstToken]:
-        """Token 0 of each choice, sampled from the prompt's last logits ([1, V]), each with its own
-        state (seed, grammar matcher); raises `GrammarError` if a grammar rejected one."""
+    def _choice_states(self, job: _Job) -> list[SamplerState]:
+        """Each choice's sampler state for token 0 (its seed, its grammar matcher), choice 0's first."""
         req = job.req
-        states = [job.sampler, *(SamplerState.new(choice_params(req.sampling, i), req.prompt_token_ids,
-                                                  eos_ids=self.eos_ids, vocab=job.vocab) for i in range(1, req.n))]
-        out = sample(logits_row.expand(req.n, -1).contiguous(), states)
+        return [job.sampler, *(SamplerState.new(choice_params(req.sampling, i), req.prompt_token_ids,
+                                                eos_ids=self.eos_ids, vocab=job.vocab) for i in range(1, req.n))]
+
+    def _first_tokens(self, job: _Job, states: list[SamplerState], out: Sampled) -> list[FirstToken] | GrammarError:
+        """Token 0 of each choice as ``out`` sampled it with the choice's state, or the error of a
+        grammar that rejected one."""
+        req = job.req
         firsts = []
         for st, token, logprob, top in zip(states, *out, strict=True):
             grammar = st.grammar
             if grammar is not None and grammar.error is not None:
-                raise GrammarError(grammar.error)
+                return GrammarError(grammar.error)
             stop = req.sampling.is_stop(token, self.eos_ids) or (grammar is not None and grammar.done)
             reason = "stop" if stop else ("length" if req.sampling.max_tokens == 1 else None)
             firsts.append(FirstToken(token, logprob, top, reason))
         return firsts
 
-    def _finish(self, job: _Job, logits_row: torch.Tensor) -> None:
+    def _finish(self, job: _Job, firsts: list[FirstToken] | GrammarError) -> None:
         req = job.req
-        try:
-            first, *more = self._first_tokens(job, logits_row)
-        except GrammarError as e:  # never hand on a token the grammar rejected
-            self._fail(job, e)
+        if isinstance(firsts, GrammarError):  # never hand on a token the grammar rejected
+            self._fail(job, firsts)
             return
+        first, *more = firsts
         token, logprob, top = first.token_id, first.logprob, first.top_logprobs
         pool = self.engine.pool
         pool.commit_full_blocks(job.blocks, job.prompt, self.engine.prefix_salt(len(job.prompt)))

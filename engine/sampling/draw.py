@@ -18,8 +18,8 @@ ids. numpy's partition, sort and argmax are vectorized (SIMD); torch's CPU top-k
 are many times slower on one thread. The cuts come from the tokens min-p leaves where it leaves
 every truncated row fewer than `HEAD` (a comparison), else from each row's `HEAD` largest values
 (a partition, then a sort of only those); a row whose nucleus reaches deeper sorts its whole row.
-The draw's running sum goes over block sums, then one block. Logits on an accelerator are copied
-to the host for these stages (the sampled rows only).
+The draw's running sum goes over block sums, then one block. Logits on an accelerator take the
+same rules as torch ops where they are (`engine.sampling.device`) and never come here.
 
 Invariants: a row's cut and draw depend only on that row's logits, its params and its uniform
 number ``u`` in [0, 1), never on the other rows; ``draw`` picks kept token ``j`` with probability

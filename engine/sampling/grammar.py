@@ -186,14 +186,21 @@ class GrammarMatcher:
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
 
-def allowed_tokens(matchers: list[GrammarMatcher], width: int) -> np.ndarray:
-    """→ [len(matchers), width] bool: which ids each matcher allows next (ids past its vocabulary: none).
-    Row by row on the calling thread: a step waits on no other thread's wake-up."""
-    vocab = matchers[0].vocab
-    words = (vocab.size + 31) // 32
+def mask_words(matchers: list[GrammarMatcher]) -> np.ndarray:
+    """→ [len(matchers), (vocab.size + 31) // 32] int32: bit ``t % 32`` of word ``t // 32`` set iff
+    the row's matcher allows token ``t`` next. Row by row on the calling thread: a step waits on no
+    other thread's wake-up."""
+    words = (matchers[0].vocab.size + 31) // 32
     bits = np.zeros((len(matchers), words), dtype=np.int32)  # [b, words]
     for m, row in zip(matchers, bits, strict=True):
         m.fill_mask(row)
+    return bits
+
+
+def allowed_tokens(matchers: list[GrammarMatcher], width: int) -> np.ndarray:
+    """→ [len(matchers), width] bool: which ids each matcher allows next (ids past its vocabulary: none)."""
+    vocab = matchers[0].vocab
+    bits = mask_words(matchers)  # [b, words]
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=min(width, vocab.size), bitorder="little")
     if allowed.shape[1] < width:
         allowed = np.pad(allowed, ((0, 0), (0, width - allowed.shape[1])))

@@ -18,7 +18,12 @@ plain requests pay for none of them):
    ``min_p`` times the top probability), top-k (ties with the k-th kept) and top-p (the smallest
    head whose mass reaches ``top_p``, with the tokens tied with its last) at the row's temperature
    become one cut per row, and a token is drawn from the softmax of what is left by inverse CDF
-   from one uniform number (engine/sampling/draw.py says how, and why on the host).
+   from one uniform number (engine/sampling/draw.py says how, and why on the host for CPU logits).
+
+Two paths run this pipeline: CPU logits go to numpy after stage 2 (engine/sampling/draw.py);
+logits on a device stay there, as batched torch ops with one copy back per step
+(engine/sampling/device.py, which says where rounding may part the two). Stages 1 and 2 and the
+uniforms are the same functions in both (engine/sampling/stages.py).
 
 Invariants: a request with a ``seed`` draws token ``t`` from the number of a generator seeded from
 ``(seed, t)``, and a row's cut and draw read nothing of the other rows, so its text depends only on
@@ -34,11 +39,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from engine.sampling import device
 from engine.sampling.draw import argmax, draw, host, truncate
 from engine.sampling.grammar import (
     GrammarError,
@@ -48,8 +53,11 @@ from engine.sampling.grammar import (
     compile_grammar,
     mask_logits,
 )
+from engine.sampling.stages import Sampled, TopLogprobs, bias_and_min_tokens, penalties, uniforms
 
-TopLogprobs = tuple[tuple[int, float], ...]  # (token id, log-prob), the most likely first
+__all__ = ["MAX_TOP_LOGPROBS", "PenaltyBook", "Sampled", "SamplerState", "SamplingDefaults", "SamplingParams",
+           "TopLogprobs", "bias_and_min_tokens", "penalties", "sample"]
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -234,68 +242,6 @@ class SamplerState:
             self.grammar.advance(token_id)
 
 
-def bias_and_min_tokens(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
-    """logits: [B, V] → a copy with the biases added and, below min_tokens, the stop ids at -inf.
-
-    Ids past the logits' width (a tokenizer larger than the model's head) have no logit to move."""
-    V = logits.shape[1]
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    for i, st in enumerate(states):
-        for tid, bias in st.params.logit_bias:
-            if tid < V:
-                rows.append(i)
-                cols.append(tid)
-                vals.append(bias)
-        if st.step < st.params.min_tokens:
-            for tid in st.min_tokens_mask_ids:
-                if tid < V:
-                    rows.append(i)
-                    cols.append(tid)
-                    vals.append(float("-inf"))
-    if not rows:
-        return logits
-    dev = logits.device
-    index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
-    return logits.index_put(index, torch.tensor(vals, device=dev), accumulate=True)
-
-
-def penalties(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
-    """logits: [B, V] → a copy with, for the rows that ask, the repetition penalty and then the
-    frequency and presence penalties applied to the ids in each row's book (a gather, the
-    penalties on those values, a scatter back); every other logit is left as it was."""
-    V = logits.shape[1]
-    rows: list[int] = []
-    books: list[PenaltyBook] = []
-    per_row: list[tuple[float, float, float]] = []
-    for i, st in enumerate(states):
-        p = st.params
-        if p.repetition_penalty != 1.0 or p.counts_output:
-            rows.append(i)
-            books.append(st.book(V))
-            per_row.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
-    sizes = np.array([b.size for b in books], dtype=np.int64)
-    if not sizes.sum():
-        return logits
-    dev = logits.device
-    row = torch.from_numpy(np.repeat(np.array(rows, dtype=np.int64), sizes)).to(dev)  # [N]
-    col = torch.from_numpy(np.concatenate([b.ids for b in books])).to(dev)  # [N]
-    c = torch.from_numpy(np.concatenate([b.counts for b in books])).to(dev)  # [N]
-    each = torch.from_numpy(np.repeat(np.array(per_row, dtype=np.float32), sizes, axis=0)).to(dev)  # [N, 3]
-    rep, freq, pres = each.unbind(1)  # [N] each
-    v = logits[row, col]  # [N]
-    v = torch.where(v < 0, v * rep, v / rep)  # transformers' repetition penalty
-    v = v - c * freq - (c > 0).float() * pres  # OpenAI's frequency and presence penalties
-    return logits.index_put((row, col), v)
-
-
-class Sampled(NamedTuple):
-    token_ids: list[int]
-    logprobs: list[float]  # of the chosen tokens, under the unmodified distribution
-    top: list[TopLogprobs]  # per row, its params' top_logprobs most likely tokens (() for none)
-
-
 def _top(raw: torch.Tensor, lse: torch.Tensor, states: Sequence[SamplerState]) -> list[TopLogprobs]:
     """raw: [B, V] unmodified logits, lse: [B] their logsumexp → each row's most likely tokens."""
     ks = [st.params.top_logprobs for st in states]
@@ -306,11 +252,23 @@ def _top(raw: torch.Tensor, lse: torch.Tensor, states: Sequence[SamplerState]) -
     return [tuple(zip(ids[i][:k], lps[i][:k], strict=True)) for i, k in enumerate(ks)]
 
 
-def sample(logits: torch.Tensor, states: list[SamplerState]) -> Sampled:
+def sample(logits: torch.Tensor, states: list[SamplerState], on_device: bool | None = None) -> Sampled:
     """logits: [B, V], one row per state → the chosen tokens, their log-probs and the top alternatives.
 
-    Records each chosen token in its state.
+    Records each chosen token in its state. Logits off the CPU are sampled where they are
+    (`engine.sampling.device`: batched torch ops, one copy back), CPU logits by numpy;
+    ``on_device`` picks the path instead (True: the device path on CPU logits too, as tests run it).
     """
+    if on_device is None:
+        on_device = logits.device.type != "cpu"
+    out = device.choose(logits, states) if on_device else _on_host(logits, states)
+    for st, tok in zip(states, out.token_ids, strict=True):
+        st.record(tok)
+    return out
+
+
+def _on_host(logits: torch.Tensor, states: list[SamplerState]) -> Sampled:
+    """The pipeline with its cut and draw in numpy (engine/sampling/draw.py); records nothing."""
     raw = logits.float()  # [B, V]
     params = [st.params for st in states]
     x = raw
@@ -327,22 +285,8 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> Sampled:
         sub = [params[i] for i in hot]
         cut = truncate(a, sub)  # [b]: temperature, min-p, top-k, top-p
         temps = np.array([p.temperature for p in sub])
-        ids[hot] = draw(a, cut, temps, _uniforms([states[i] for i in hot]))
+        ids[hot] = draw(a, cut, temps, uniforms([states[i] for i in hot]))
     chosen_ids = torch.from_numpy(ids).to(raw.device)
     lse = raw.logsumexp(dim=-1)  # [B]
     chosen = raw.gather(1, chosen_ids.unsqueeze(1)).squeeze(1) - lse  # [B]
-    out = ids.tolist()
-    for st, tok in zip(states, out, strict=True):
-        st.record(tok)
-    return Sampled(out, chosen.tolist(), _top(raw, lse, states))
-
-
-def _uniforms(states: Sequence[SamplerState]) -> np.ndarray:
-    """[b] float64 in [0, 1): a seeded row's from its own generator (one number per token), the
-    other rows' from torch's default generator in one call."""
-    u = torch.rand(len(states), dtype=torch.float64).tolist()
-    for i, st in enumerate(states):
-        gen = st.generator()
-        if gen is not None:
-            u[i] = float(torch.rand(1, generator=gen, dtype=torch.float64)[0])
-    return np.array(u)
+    return Sampled(ids.tolist(), chosen.tolist(), _top(raw, lse, states))
