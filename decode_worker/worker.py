@@ -13,7 +13,7 @@ Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler
 3. When the KV is in, the sequence is **running**: every step runs one batched decode over all
    running sequences (the first step feeds token 0), samples, and pushes each new token to its
    stream. Blocks are appended at block boundaries; when they run out the scheduler swaps the
-   youngest sequence out to host memory (**swapped**) and back in later — the decode pool never
+   youngest sequence out to host memory (**swapped**, `HostSwapSpace`) and back in later — the decode pool never
    recomputes, so it never runs a prefill in disaggregated mode.
 4. A stream ends on EOS (unless ``ignore_eos``), a stop id, a complete grammar, ``max_tokens``, an
    error (a token the request's grammar rejects is one, never emitted), or abort:
@@ -46,6 +46,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import KVImporter
 from decode_worker.scheduler import DecodeScheduler, SchedulerConfig, SchedulerOutput, SeqStatus
 from decode_worker.stream import Stream
+from decode_worker.swap_space import HostSwapSpace
 from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent
 from engine.engine import Engine
 from engine.errors import QueueFullError
@@ -89,7 +90,10 @@ class DecodeWorker:
         self.streams: dict[str, Stream] = {}  # by sequence id
         self.groups: dict[str, ChoiceGroup] = {}  # by request id, while any of its streams is live
         self.prefilling: list[ChoiceGroup] = []  # colocated: admitted, prompt KV still being computed
-        self.host_swap: dict[str, torch.Tensor] = {}
+        # swapped-out KV waits in host memory allocated here, once (pinned on CUDA): `HostSwapSpace`
+        self.swap_space = HostSwapSpace(engine.cache, config.max_swap_blocks)
+        log.info("swap space: %d blocks, %.1f GiB of %s host memory", config.max_swap_blocks,
+                 self.swap_space.nbytes / 2**30, "pinned" if self.swap_space.buffer.is_pinned() else "plain")
         self._loop = StepLoop(f"{replica_id}-step-loop", self._step, self._fail_streams)
         self._background: set[asyncio.Future[None]] = set()
         self.num_steps = 0
@@ -218,7 +222,7 @@ class DecodeWorker:
     def _forget(self, stream: Stream) -> list[str]:
         """Drop a stream (its sequence freed); returns the sequences the scheduler finished."""
         finished = self.scheduler.finish(stream.seq_id)
-        self.host_swap.pop(stream.seq_id, None)
+        self.swap_space.release(stream.seq_id)
         group = self.groups.get(stream.request_id)
         if group is not None and group.head is stream:
             with contextlib.suppress(ValueError):
@@ -305,10 +309,10 @@ class DecodeWorker:
     def _execute_swaps_and_admissions(self, out: SchedulerOutput) -> None:
         cache = self.engine.cache
         for seq, blocks in out.swap_out:  # first: these ids may already be reused below
-            self.host_swap[seq.request_id] = cache.gather_blocks(blocks)
+            self.swap_space.swap_out(seq.request_id, cache, blocks)
             self.num_swapped_out += 1
         for seq, blocks in out.swap_in:
-            cache.scatter_blocks(blocks, self.host_swap.pop(seq.request_id))
+            self.swap_space.swap_in(seq.request_id, cache, blocks)
         for seq in out.failed:
             st = self.streams.get(seq.request_id)
             if st is not None:

@@ -1,7 +1,7 @@
 """Model and engine configuration.
 
 Owns: `ModelConfig` (the architecture, read from a Hugging Face ``config.json``) and `EngineConfig`
-(how one process runs it: device, dtype, KV block geometry, batch limits).
+(how one process runs it: device, dtype, KV block geometry and memory budget, batch limits).
 
 Invariants: a `ModelConfig` is frozen and self-consistent (``num_heads % num_kv_heads == 0``,
 ``head_dim * num_heads`` need not equal ``hidden_size`` but every size is positive); unknown
@@ -20,6 +20,7 @@ import torch
 
 from engine.attention.registry import BACKENDS
 from engine.errors import ModelLoadError
+from engine.kv_budget import DEFAULT_DEVICE_FRACTION, Budget, check_budget
 from engine.model.families import ACTIVATION_NAMES, FAMILIES, MODEL_TYPES, SUPPORTED_ARCHITECTURES, Family
 from engine.model.rope_params import LAYER_TYPES, RopeParams, RopeScaling, ropes
 
@@ -361,7 +362,13 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16
-    num_blocks: int = 1024
+    # The KV cache (`engine.kv_budget`): ``num_blocks`` None sizes it from ``kv_cache_memory`` (bytes, or
+    # a fraction of the device's total memory for the whole engine; None: 0.9 on CUDA, no budget on a
+    # CPU, where ``num_blocks`` None means 1,024); given with a budget, it is checked against it.
+    num_blocks: int | None = None
+    kv_cache_memory: int | float | None = None
+    reserved_memory: int = 0  # bytes held back from the KV budget for KV transfers in flight
+    max_step_tokens: int | None = None  # the most tokens one forward runs (its peak is profiled); None: max_model_len
     max_num_seqs: int = 64
     max_model_len: int | None = None  # defaults to the model's `ModelConfig.max_context`
     enable_prefix_cache: bool = True
@@ -379,6 +386,14 @@ class EngineConfig:
         if self.dtype == AUTO_DTYPE:
             object.__setattr__(self, "dtype", fast_dtype(self.device))
         parse_dtype(self.dtype)
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks={self.num_blocks} must be at least 1 (or unset: sized from kv_cache_memory)")
+        if self.kv_cache_memory is not None:
+            check_budget(self.kv_cache_memory)
+        if self.reserved_memory < 0:
+            raise ValueError(f"reserved_memory={self.reserved_memory} must be >= 0 bytes")
+        if self.max_step_tokens is not None and self.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens={self.max_step_tokens} must be at least 1")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"unknown quantization {self.quantization!r}; expected None or 'int8'")
         if self.backend != "auto" and self.backend not in BACKENDS:
@@ -389,6 +404,13 @@ class EngineConfig:
             raise ValueError(
                 f"unknown decode_attention {self.decode_attention!r}; expected one of {DECODE_ATTENTION}"
             )
+
+    @property
+    def kv_budget(self) -> Budget | None:
+        """``kv_cache_memory``, or its default: `DEFAULT_DEVICE_FRACTION` on CUDA, no budget on a CPU."""
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        return DEFAULT_DEVICE_FRACTION if self.torch_device.type == "cuda" else None
 
     @cached_property
     def torch_dtype(self) -> torch.dtype:

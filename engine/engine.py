@@ -1,8 +1,13 @@
 """`Engine`: one process's model, tokenizer, KV cache and block pool, loaded together.
 
 Owns: resolving a model name to weights (bundled name, GGUF, or Hugging Face folder), building the
-`ModelRunner` with a KV cache sized by `EngineConfig`, and the block pool over that cache. Both
-workers hold exactly one `Engine`.
+`ModelRunner` with a KV cache sized by `EngineConfig` (a count, or a memory budget measured on the
+device once the model is built and its largest step profiled: `kv_cache_blocks`), and the block
+pool over that cache. Both workers hold exactly one `Engine`.
+
+Memory: the loaded weights are handed to the build and kept by nobody else (a backend that
+reformats a class of linears frees the loaded ones as it goes), so by the time the cache is sized
+and allocated nothing loaded is held twice.
 
 Invariants: the cache and the pool agree on ``num_blocks`` and ``block_size``; ``max_model_len``
 never exceeds the model's positions; loading either returns a complete engine or raises
@@ -14,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -22,13 +27,15 @@ import torch
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ContextLengthError
+from engine.kv_budget import DEFAULT_CPU_BLOCKS, MemoryUse, available_bytes, plan_num_blocks
 from engine.kv_cache import KVCache
 from engine.loading.bundled import default_cache_dir
 from engine.loading.file_lock import file_lock
 from engine.loading.weights import ModelWeights, load_weights
-from engine.model.model import build_model
+from engine.memory import MemoryProbe, gib, probe_for
+from engine.model.model import LlamaModel, build_model
 from engine.model_thread import ModelThread
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, PrefillChunk
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +63,33 @@ def log_dtype(stored: torch.dtype | None, config: EngineConfig) -> None:
         why = ": the CPU kernels have no fp16 path"
     log.info("weights stored in %s, computed in %s%s", str(stored).removeprefix("torch."),
              str(dtype).removeprefix("torch."), why)
+
+
+def kv_cache_blocks(model: LlamaModel, mcfg: ModelConfig, config: EngineConfig, max_len: int,
+                    probe: MemoryProbe) -> int:
+    """The KV cache's block count: ``config.num_blocks`` as given where no budget applies (a CPU without
+    ``kv_cache_memory``: `DEFAULT_CPU_BLOCKS` if unset); else `plan_num_blocks` over what ``probe`` reports
+    once the model is built and its largest step (``max_step_tokens``, else ``max_len``) has run against
+    a scratch cache just large enough for it."""
+    budget = config.kv_budget
+    if budget is None:
+        return config.num_blocks or DEFAULT_CPU_BLOCKS
+    weights = probe.allocated()
+    peak = 0
+    if probe.profiles_peak:
+        n = min(config.max_step_tokens or max_len, max_len)
+        blocks = -(-n // config.block_size)
+        scratch = KVCache.allocate(mcfg, blocks, config.block_size, config.torch_dtype, config.device)
+        chunk = PrefillChunk(token_ids=[0] * n, start_pos=0, block_table=list(range(blocks)))
+        peak = probe.peak_during(lambda: ModelRunner(model, scratch).prefill([chunk]))
+        del scratch
+    use = MemoryUse(report=probe.report(), weights=weights, peak_step=peak)
+    block_nbytes = mcfg.kv_bytes_per_token(config.torch_dtype) * config.block_size
+    num_blocks = plan_num_blocks(budget, config.num_blocks, use, block_nbytes, reserved=config.reserved_memory,
+                                 min_tokens=max_len, block_size=config.block_size)
+    log.info("KV cache: %d blocks (%s) under kv_cache_memory=%r: %s", num_blocks, gib(num_blocks * block_nbytes),
+             budget, available_bytes(budget, use, config.reserved_memory)[1])
+    return num_blocks
 
 
 @dataclass
@@ -98,7 +132,9 @@ class Engine:
             )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, config: EngineConfig) -> Engine:
+    def from_dir(cls, model_dir: str | Path, config: EngineConfig, probe: MemoryProbe | None = None) -> Engine:
+        """Load ``model_dir`` and size its KV cache (``probe``: the device's memory, `probe_for` by
+        default; `kv_cache_blocks`). ``engine.config.num_blocks`` is the count the cache got."""
         model_dir = Path(model_dir)
         if config.cpu_affinity:
             os.sched_setaffinity(0, set(config.cpu_affinity))
@@ -107,25 +143,27 @@ class Engine:
         mcfg = ModelConfig.from_dir(model_dir)
         log_dtype(mcfg.checkpoint_dtype, config)
         return cls.from_weights(mcfg, load_weights(model_dir, mcfg, config.torch_dtype, config.torch_device,
-                                                   keep_int8=config.quantization == "int8"), config, model_dir)
+                                                   keep_int8=config.quantization == "int8"), config, model_dir,
+                                probe)
 
     @classmethod
     def from_weights(cls, mcfg: ModelConfig, weights: ModelWeights, config: EngineConfig,
-                     model_dir: Path) -> Engine:
+                     model_dir: Path, probe: MemoryProbe | None = None) -> Engine:
         """An engine over weights already in memory, in ``config``'s dtype and on its device (the
         caller gives them up: the model may fold or repack them in place). ``model_dir``: the folder
-        ``mcfg`` was read from (its tokenizer and grammar vocabulary are looked up there)."""
+        ``mcfg`` was read from (its tokenizer and grammar vocabulary are looked up there). ``probe``:
+        the device's memory for sizing the KV cache (`kv_cache_blocks`; `probe_for` by default)."""
         max_len = min(config.max_model_len or mcfg.max_context, mcfg.max_context)
         with timing_lock(config):  # kernel timings and compiles, not disturbed by another engine's
             # the model takes the weights (`build_model` empties the container): a backend that reformats
             # them frees the loaded ones as it goes
             model = build_model(mcfg, weights, max_len, config)
-            cache = KVCache.allocate(
-                mcfg, config.num_blocks, config.block_size, config.torch_dtype, config.device
-            )
+            num_blocks = kv_cache_blocks(model, mcfg, config, max_len, probe or probe_for(config.torch_device))
+            config = replace(config, num_blocks=num_blocks)
+            cache = KVCache.allocate(mcfg, num_blocks, config.block_size, config.torch_dtype, config.device)
             model.attention.warm_up(model, cache)
         log.info("attention backend %s", model.attention.describe())
-        pool = BlockPool(config.num_blocks, config.block_size, enable_prefix_cache=config.enable_prefix_cache)
+        pool = BlockPool(num_blocks, config.block_size, enable_prefix_cache=config.enable_prefix_cache)
         return cls(
             model_config=mcfg,
             config=config,
@@ -146,8 +184,6 @@ class Engine:
         n = min(num_tokens, self.max_model_len, self.pool.num_free_blocks * self.block_size)
         if n < 1:
             return 0
-        from engine.runner import PrefillChunk
-
         blocks = self.pool.allocate(self.blocks_for(n))
         try:
             chunk = PrefillChunk(token_ids=[0] * n, start_pos=0, block_table=blocks)

@@ -11,6 +11,10 @@ class ModelLoadError(EngineError):
     """A model could not be loaded: unknown architecture, missing/corrupt file, config mismatch."""
 
 
+class MemoryBudgetError(ModelLoadError):
+    """The KV cache asked for (``num_blocks``, ``kv_cache_memory``) does not fit the device's memory."""
+
+
 class ContextLengthError(EngineError, ValueError):
     """A prompt (plus the tokens asked for) does not fit the model's context."""
 

@@ -1,7 +1,9 @@
 """The paged KV cache tensors of one process.
 
 Owns: per-layer K and V tensors of shape ``[num_blocks, block_size, kv_heads, head_dim]`` and the
-copy helpers that move whole blocks in and out of them (used by the transports and by swap).
+copy helpers that move whole blocks in and out of them (used by the transports and by swap: into
+a caller's buffer on any device, in runs of consecutive ids, so a swap to host allocates nothing on
+the device).
 
 Invariants: block ``b`` of layer ``l`` is ``k[l][b]`` / ``v[l][b]``; a token at position ``p`` of a
 sequence with block table ``bt`` lives at ``bt[p // block_size]``, row ``p % block_size``. The cache
@@ -11,6 +13,7 @@ layer's K and V are contiguous views of one zeroed buffer, on huge pages where t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,23 +71,70 @@ class KVCache:
         """Bytes of one block over all layers, K and V."""
         return 2 * self.num_layers * self.k[0][0].numel() * self.k[0].element_size()
 
-    def gather_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy the given blocks of every layer into one contiguous tensor.
+    def gather_blocks(self, block_ids: Sequence[int], out: torch.Tensor | None = None,
+                      slots: Sequence[int] | None = None) -> torch.Tensor:
+        """Copy the given blocks of every layer out of the cache.
 
-        Returns ``[num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]``.
+        Without ``out``: a new ``[num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]`` on
+        the cache's device. With ``out`` ``[num_layers, 2, S, block_size, kv_heads, head_dim]`` on any
+        device (the decode worker's host swap space): block ``block_ids[i]`` lands in
+        ``out[:, :, slots[i]]`` (``slots`` by default ``0 .. n - 1``) and ``out`` is returned, nothing new
+        allocated on any device; non-blocking where ``out`` is pinned host memory (read it on the host
+        only after the device's stream has caught up).
         """
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        out = torch.empty(
-            (self.num_layers, 2, len(block_ids), *self.block_shape), dtype=self.dtype, device=self.device
-        )
+        if out is None:
+            idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+            new = torch.empty(
+                (self.num_layers, 2, len(block_ids), *self.block_shape), dtype=self.dtype, device=self.device
+            )
+            for layer in range(self.num_layers):
+                torch.index_select(self.k[layer], 0, idx, out=new[layer, 0])
+                torch.index_select(self.v[layer], 0, idx, out=new[layer, 1])
+            return new
+        self._check_blocks(out, "out")
+        runs = paired_runs(block_ids, range(len(block_ids)) if slots is None else slots)
+        pinned = out.device.type == "cpu" and out.is_pinned()
         for layer in range(self.num_layers):
-            torch.index_select(self.k[layer], 0, idx, out=out[layer, 0])
-            torch.index_select(self.v[layer], 0, idx, out=out[layer, 1])
+            for kv, src in ((0, self.k[layer]), (1, self.v[layer])):
+                for b, s, n in runs:
+                    out[layer, kv, s:s + n].copy_(src[b:b + n], non_blocking=pinned)  # [n, bs, H, D]
         return out
 
-    def scatter_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Inverse of `gather_blocks`: write ``data`` into the given blocks of every layer."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+    def scatter_blocks(self, block_ids: Sequence[int], data: torch.Tensor, slots: Sequence[int] | None = None) -> None:
+        """Inverse of `gather_blocks`: block ``block_ids[i]`` of every layer gets ``data[:, :, slots[i]]``
+        (``slots`` by default ``0 .. n - 1``); ``data`` may live on another device (host swap space)."""
+        if slots is None and data.device == self.device:
+            idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+            for layer in range(self.num_layers):
+                self.k[layer].index_copy_(0, idx, data[layer, 0])
+                self.v[layer].index_copy_(0, idx, data[layer, 1])
+            return
+        self._check_blocks(data, "data")
+        runs = paired_runs(block_ids, range(len(block_ids)) if slots is None else slots)
+        pinned = data.device.type == "cpu" and data.is_pinned()
         for layer in range(self.num_layers):
-            self.k[layer].index_copy_(0, idx, data[layer, 0])
-            self.v[layer].index_copy_(0, idx, data[layer, 1])
+            for kv, dst in ((0, self.k[layer]), (1, self.v[layer])):
+                for b, s, n in runs:
+                    dst[b:b + n].copy_(data[layer, kv, s:s + n], non_blocking=pinned)  # [n, bs, H, D]
+
+    def _check_blocks(self, t: torch.Tensor, name: str) -> None:
+        """``t`` must be ``[num_layers, 2, S, *block_shape]`` of the cache's dtype, contiguous."""
+        if tuple(t.shape[:2]) != (self.num_layers, 2) or tuple(t.shape[3:]) != self.block_shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; blocks of this cache are "
+                             f"[{self.num_layers}, 2, S, {', '.join(map(str, self.block_shape))}]")
+        if t.dtype != self.dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {self.dtype} tensor, got {t.dtype}")
+
+
+def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src start, dst start, length)`` of each run where both sides step by one:
+    ``[5, 6, 9]`` → ``[0, 1, 2]`` gives ``[(5, 0, 2), (9, 2, 1)]``, so a copy moves a run in one call."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} blocks but {len(dst)} slots")
+    runs: list[tuple[int, int, int]] = []
+    for b, s in zip(src, dst, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == b and runs[-1][1] + runs[-1][2] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((b, s, 1))
+    return runs

@@ -94,7 +94,7 @@ def _engine_steps_main(config: str, shapes: list[tuple[int, int]], repeats: int)
 def _with_blocks(ec: Any, n: int) -> Any:
     import dataclasses
 
-    return dataclasses.replace(ec, num_blocks=max(ec.num_blocks, n), max_num_seqs=max(ec.max_num_seqs, 64))
+    return dataclasses.replace(ec, num_blocks=max(ec.num_blocks or 0, n), max_num_seqs=max(ec.max_num_seqs, 64))
 
 
 # -- one server ------------------------------------------------------------------------------------

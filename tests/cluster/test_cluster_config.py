@@ -109,6 +109,24 @@ def test_gpu_yaml() -> None:
     assert cfg.kv.transport == "nccl" and cfg.prefill.num_gpus == 1 and cfg.decode.num_gpus == 1
     assert p.engine.device == d.engine.device == "cuda" and p.engine.dtype == "bfloat16"
     assert cfg.decode_policy() == "least_outstanding_tokens"
+    # the KV caches are sized from the budget, each pool profiling its largest step first
+    assert p.engine.kv_cache_memory == d.engine.kv_cache_memory == 0.9
+    assert p.engine.num_blocks is None and d.engine.num_blocks is None
+    assert p.engine.max_step_tokens == 8192 and d.engine.max_step_tokens == 256 and d.max_swap_blocks == 4096
+
+
+def test_kv_budget_keys_per_engine_and_pool() -> None:
+    cfg = ClusterConfig.from_args({"engine": {"kv_cache_memory": 0.9}, "prefill": {"kv_cache_memory": 0.3},
+                                   "decode": {"num_blocks": 2048}}, NO_ENV)
+    p, d = cfg.prefill_worker_config().engine, cfg.decode_worker_config().engine
+    assert (p.kv_cache_memory, p.num_blocks) == (0.3, None)  # a budget on a CPU: no default count
+    assert (d.kv_cache_memory, d.num_blocks) == (0.9, 2048)  # checked against the budget at start
+    bytes_ = ClusterConfig.from_args({"engine": {"kv_cache_memory": 8 << 30}}, NO_ENV)
+    assert bytes_.decode_worker_config().engine.kv_cache_memory == 8 << 30
+    colocated = ClusterConfig.from_args({"mode": "colocated", "decode": {"prefill_chunk_size": 512}}, NO_ENV)
+    assert colocated.decode_worker_config().engine.max_step_tokens == 512
+    whole = ClusterConfig.from_args({"mode": "colocated"}, NO_ENV)
+    assert whole.decode_worker_config().engine.max_step_tokens is None  # a whole prompt: max_model_len
 
 
 def test_environment_fills_keys_secret_and_cache() -> None:
@@ -145,6 +163,10 @@ def test_random_secret_per_config_and_redaction() -> None:
     ({"mode": "split"}, "mode"),
     ({"router": {"api_keys": [""]}}, "non-empty"),
     ({"limits": {"max_model_len": 1}}, "limits.max_model_len"),
+    ({"engine": {"kv_cache_memory": 1}}, "engine.kv_cache_memory: kv_cache_memory=1 is a byte count below"),
+    ({"decode": {"kv_cache_memory": 1.5}}, "decode.kv_cache_memory: kv_cache_memory=1.5: a fraction"),
+    ({"engine": {"kv_cache_memroy": 0.9}}, "engine.kv_cache_memroy: unknown key (allowed: device"),
+    ({"prefill": {"num_blocks": 0}}, "prefill.num_blocks"),
 ])
 def test_bad_configs_say_what_and_where(args: dict[str, object], needle: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -110,6 +110,8 @@ async def test_abort_mid_stream_frees_blocks(tiny_path) -> None:
 async def test_full_decode_pool_waits_and_swap_preserves_output(tiny_path, ref_engine) -> None:
     """A decode pool too small for everyone: requests wait (none dropped), swaps keep outputs exact."""
     pd = make_pd(tiny_path, decode_blocks=24, max_num_seqs=8)
+    swap = pd.decode.swap_space
+    storage = swap.buffer.untyped_storage().data_ptr()
     await pd.prefill.start()
     await pd.decode.start()
     rng = random.Random(11)
@@ -122,6 +124,9 @@ async def test_full_decode_pool_waits_and_swap_preserves_output(tiny_path, ref_e
             assert tokens == reference(ref_engine, prompt, SamplingParams(max_tokens=k, ignore_eos=True))
         assert pd.decode.num_swapped_out > 0, "the pool was small enough to force preemption"
         assert pd.decode.engine.pool.num_free_blocks == 24
+        # every swap landed in the one host buffer allocated at start, and gave its slots back
+        assert swap.buffer.device.type == "cpu" and swap.buffer.untyped_storage().data_ptr() == storage
+        assert swap.num_free == swap.num_blocks
     finally:
         await pd.decode.stop()
         await pd.prefill.stop()

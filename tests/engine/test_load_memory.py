@@ -7,6 +7,10 @@ before), against the size of the weights.
 The bound is 1.5x: fused copies made beside tensors that stay mapped from the file (the file's
 pages resident as well once read), or the converted model built in memory before it is written,
 reach 1.6-2x and more. Memory is behaviour here, not timing: a busy host changes how fast, not how much.
+
+Building the model never holds a loaded class of linears beside its folded copy longer than that
+class's build: weak references to the loaded qkv / gate_up / lm_head tensors are dead when the cpu
+backend builds the next class and when the KV cache is allocated (nothing keeps the loaded weights).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +28,13 @@ import transformers
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import save_file
 
+import engine.engine as engine_module
+import engine.kernels.cpu_linears as cpu_linears
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.kv_cache import KVCache
 from tests.support.gguf_files import write_gguf
+from tests.support.models import make_tiny
 
 pytestmark = pytest.mark.timeout(300)
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -97,3 +109,46 @@ def test_gguf_conversion_peaks_near_the_files_size(tmp_path: Path) -> None:
     growth = _peak_growth("gguf", str(tmp_path / "m.gguf"), str(tmp_path / "hf"))
     assert growth < BOUND * size, f"peak grew {growth / 1e6:.0f} MB converting a {size / 1e6:.0f} MB file"
     assert (tmp_path / "hf" / "model.safetensors").stat().st_size >= size * 0.95  # the weights are all there
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: offset norm gains, copied before the fold
+def test_loaded_linears_are_freed_as_their_class_is_built(tmp_path: Path, family: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    path = make_tiny(family, tmp_path / family)
+    loaded: dict[str, weakref.ref[Any]] = {}
+    alive_at: dict[str, set[str]] = {}
+
+    def alive() -> set[str]:
+        return {name for name, ref in loaded.items() if ref() is not None}
+
+    real_load = engine_module.load_weights
+
+    def spy_load(*args: Any, **kwargs: Any) -> Any:
+        w = real_load(*args, **kwargs)
+        for i, lw in enumerate(w.layers):
+            loaded[f"qkv{i}"], loaded[f"gate_up{i}"] = weakref.ref(lw.qkv), weakref.ref(lw.gate_up)
+        loaded["lm_head"] = weakref.ref(w.lm_head)
+        return w
+
+    def spy_build(real: Any) -> Any:
+        def build(name: str, *args: Any, **kwargs: Any) -> Any:
+            alive_at[name] = alive()
+            return real(name, *args, **kwargs)
+        return build
+
+    real_allocate = KVCache.allocate
+
+    def spy_allocate(*args: Any, **kwargs: Any) -> KVCache:
+        alive_at["kv_cache"] = alive()
+        return real_allocate(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_weights", spy_load)
+    monkeypatch.setattr(cpu_linears, "build_linears", spy_build(cpu_linears.build_linears))
+    monkeypatch.setattr(KVCache, "allocate", spy_allocate)
+    # the cpu backend folds each norm gain into a copy of qkv / gate_up / lm_head; oneDNN's plain format keeps it
+    Engine.from_dir(path, EngineConfig(num_blocks=8, backend="cpu", linear_kernels="plain",
+                                       decode_attention="per_head"))
+    layers = [f"qkv{i}" for i in range(2)]
+    assert not alive_at["o_proj"] & set(layers), "loaded qkv kept while o_proj is built"
+    assert not alive_at["down"] & {f"gate_up{i}" for i in range(2)}, "loaded gate_up kept while down is built"
+    assert alive_at["kv_cache"] == set(), f"loaded weights {sorted(alive_at['kv_cache'])} kept past the build"
