@@ -5,7 +5,8 @@ what is allowed), the cross-field rules, the environment variables (read here, o
 `Environment.read`), and the per-component configs built from it: `PrefillWorkerConfig`,
 `DecodeWorkerConfig`, `RouterConfig`. A section's defaults are those of the config it builds
 (stated there once); what the cluster chooses otherwise (``dtype: auto``, the prefill pool's
-``num_blocks``, the KV secret) is stated here.
+``num_blocks`` on a CPU, each pool's largest step and the transfers' staging memory for the KV
+budget, the KV secret) is stated here.
 
 Invariants: a `ClusterConfig` that constructed is consistent — nccl means every worker asks for a
 GPU and runs on cuda; cuda means GPUs are asked for; colocated mode has no prefill pool (its
@@ -38,12 +39,16 @@ from cluster.placement import (
 from cluster.serve_yaml import ConfigError, application_args
 from decode_worker.config import DecodeWorkerConfig
 from engine.config import AUTO_DTYPE, EngineConfig, auto_dtype, parse_dtype
+from engine.kv_budget import check_budget
 from engine.loading.bundled import DEFAULT_MODEL, stored_dtype
 from engine.loading.hub import is_hub_id
 from kv_transfer.config import KVTransferConfig, Transport
 from prefill_worker.config import PrefillWorkerConfig
 from router.config import RouterConfig
 from router.policy import AffinityParams, known_policy
+
+#: a CPU prefill replica's KV blocks where neither num_blocks nor a budget is set: they wait only to be pulled
+PREFILL_CPU_BLOCKS = 512
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,12 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _known_budget(v: int | float | None) -> int | float | None:
+    if v is not None:
+        check_budget(v)  # raises ValueError naming the value and the two accepted forms
+    return v
+
+
 def _known_dtype(v: str | None) -> str | None:
     if v is not None and v != AUTO_DTYPE:
         parse_dtype(v)  # raises ValueError naming the accepted names
@@ -85,8 +96,12 @@ class EngineSection(_Section):
     # attention backend (`engine.attention.registry`): auto = cpu on a CPU, torch on a GPU
     backend: Literal["auto", "reference", "cpu", "torch"] = "auto"
     cuda_graphs: bool = EngineConfig.cuda_graphs  # the torch backend's decode steps as CUDA graphs (CUDA only)
+    # the KV cache's memory (`engine.kv_budget`): bytes (an int), or a float in (0, 1]: the engine's share of
+    # the device's total memory, weights and peak step included; unset: 0.9 on CUDA, none on a CPU
+    kv_cache_memory: int | float | None = EngineConfig.kv_cache_memory
 
     _known_dtype = field_validator("dtype")(_known_dtype)
+    _known_budget = field_validator("kv_cache_memory")(_known_budget)
 
     @field_validator("device")
     @classmethod
@@ -103,7 +118,9 @@ class _Pool(_Section):
     # worker queue bound; past it the router answers 429 (a pool's section takes its worker's default)
     max_queue: int = Field(default=DecodeWorkerConfig.max_queue, ge=1)
     max_ongoing_requests: int = Field(default=1024, ge=1)  # Serve's per-replica bound (above max_queue)
-    num_blocks: int = Field(default=EngineConfig.num_blocks, ge=1)
+    # KV blocks per replica; unset: sized from kv_cache_memory (on a CPU without one: the pool's default count)
+    num_blocks: int | None = Field(default=EngineConfig.num_blocks, ge=1)
+    kv_cache_memory: int | float | None = None  # overrides engine.kv_cache_memory for this pool
     max_num_seqs: int = Field(default=EngineConfig.max_num_seqs, ge=1)
     num_threads: int | None = Field(default=None, ge=1)  # overrides engine.num_threads for this pool
     dtype: str | None = None  # overrides engine.dtype for this pool (the KV dtype: the pools must agree)
@@ -113,6 +130,7 @@ class _Pool(_Section):
     drain: DrainSection = DrainSection()  # Serve's graceful shutdown
 
     _known_dtype = field_validator("dtype")(_known_dtype)
+    _known_budget = field_validator("kv_cache_memory")(_known_budget)
 
 
 class AffinitySection(_Section):
@@ -128,7 +146,8 @@ class PrefillSection(_Pool):
     max_chunk_tokens: int | None = Field(default=PrefillWorkerConfig.max_chunk_tokens, ge=1)
     # start-up forward; None: max_batch_tokens, 0: none
     warmup_tokens: int | None = Field(default=PrefillWorkerConfig.warmup_tokens, ge=0)
-    num_blocks: int = Field(default=512, ge=1)  # a prefill replica's blocks are held only until pulled
+    # a prefill replica's blocks are held only until pulled: PREFILL_CPU_BLOCKS where no budget sizes them
+    num_blocks: int | None = Field(default=None, ge=1)
     policy: str = "prefix_affinity"  # a name in router.policy.POLICIES
     affinity: AffinitySection = AffinitySection()
 
@@ -287,10 +306,21 @@ class ClusterConfig(_Section):
             return self.model
         return Path(self.model).name.removesuffix(".gguf")
 
-    def _engine(self, pool: _Pool) -> EngineConfig:
+    def _engine(self, pool: _Pool, max_step_tokens: int | None, cpu_blocks: int | None = None) -> EngineConfig:
+        """A pool's engine. Its KV cache: ``num_blocks`` as set; else sized from the pool's or the
+        engine's ``kv_cache_memory`` (CUDA's default budget where neither is set); on a CPU with no
+        budget, ``cpu_blocks`` (None: the engine's default count). The budget holds back the KV
+        transfers' staging memory (``kv.max_inflight_bytes``, disaggregated only). ``max_step_tokens``:
+        the pool's largest forward, whose peak the engine profiles before sizing the cache."""
         e = self.engine
+        budget = pool.kv_cache_memory if pool.kv_cache_memory is not None else e.kv_cache_memory
+        num_blocks = pool.num_blocks
+        if num_blocks is None and budget is None and not e.device.startswith("cuda"):
+            num_blocks = cpu_blocks
         return EngineConfig(device=e.device, dtype=self._resolved_dtype(pool), quantization=e.quantization,
-                            block_size=e.block_size, num_blocks=pool.num_blocks,
+                            block_size=e.block_size, num_blocks=num_blocks, kv_cache_memory=budget,
+                            reserved_memory=self.kv.max_inflight_bytes if self.disaggregated else 0,
+                            max_step_tokens=max_step_tokens,
                             max_num_seqs=pool.max_num_seqs, max_model_len=self.limits.max_model_len,
                             enable_prefix_cache=e.enable_prefix_cache, backend=e.backend,
                             cuda_graphs=e.cuda_graphs, num_threads=pool.num_threads or e.num_threads,
@@ -303,14 +333,18 @@ class ClusterConfig(_Section):
 
     def prefill_worker_config(self) -> PrefillWorkerConfig:
         p = self.prefill
-        return PrefillWorkerConfig(model=self.model, engine=self._engine(p), kv=self._kv(),
+        return PrefillWorkerConfig(model=self.model, engine=self._engine(p, p.max_batch_tokens, PREFILL_CPU_BLOCKS),
+                                   kv=self._kv(),
                                    max_batch_tokens=p.max_batch_tokens, max_queue=p.max_queue,
                                    max_chunk_tokens=p.max_chunk_tokens, warmup_tokens=p.warmup_tokens,
                                    model_cache_dir=self.model_cache_dir)
 
     def decode_worker_config(self) -> DecodeWorkerConfig:
         d = self.decode
-        return DecodeWorkerConfig(model=self.model, engine=self._engine(d), kv=self._kv(), mode=self.mode,
+        # a disaggregated decode step runs one row per sequence; colocated, a prompt (chunk) too (None: a whole one)
+        step = d.max_num_seqs if self.disaggregated else (
+            max(d.max_num_seqs, d.prefill_chunk_size) if d.prefill_chunk_size else None)
+        return DecodeWorkerConfig(model=self.model, engine=self._engine(d, step), kv=self._kv(), mode=self.mode,
                                   prefill_chunk_size=d.prefill_chunk_size, stream_interval=d.stream_interval,
                                   watermark_blocks=d.watermark_blocks, max_swap_blocks=d.max_swap_blocks,
                                   max_queue=d.max_queue, token_timeout_s=self.limits.token_timeout_s,

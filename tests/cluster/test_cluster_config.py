@@ -113,6 +113,8 @@ def test_gpu_yaml() -> None:
     assert p.engine.kv_cache_memory == d.engine.kv_cache_memory == 0.9
     assert p.engine.num_blocks is None and d.engine.num_blocks is None
     assert p.engine.max_step_tokens == 8192 and d.engine.max_step_tokens == 256 and d.max_swap_blocks == 4096
+    # the budget holds back what the KV transfers stage through
+    assert p.engine.reserved_memory == d.engine.reserved_memory == cfg.kv.max_inflight_bytes == 256 << 20
 
 
 def test_kv_budget_keys_per_engine_and_pool() -> None:
@@ -127,6 +129,7 @@ def test_kv_budget_keys_per_engine_and_pool() -> None:
     assert colocated.decode_worker_config().engine.max_step_tokens == 512
     whole = ClusterConfig.from_args({"mode": "colocated"}, NO_ENV)
     assert whole.decode_worker_config().engine.max_step_tokens is None  # a whole prompt: max_model_len
+    assert whole.decode_worker_config().engine.reserved_memory == 0  # colocated: no transfers
 
 
 def test_environment_fills_keys_secret_and_cache() -> None:

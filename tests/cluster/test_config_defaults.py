@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from cluster.config import ClusterConfig, Environment
+from cluster.config import PREFILL_CPU_BLOCKS, ClusterConfig, Environment
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.scheduler import SchedulerConfig
 from engine.config import EngineConfig, fast_dtype
+from kv_transfer.config import KVTransferConfig
 from prefill_worker.config import PrefillWorkerConfig
 from router.config import RouterConfig
 
@@ -38,12 +39,17 @@ def test_an_empty_yaml_builds_the_workers_default_configs() -> None:
     secret = cfg.kv.secret
     # deliberate: dtype auto is resolved for the cluster (a bare EngineConfig is the fp32 reference);
     # the KV secret is drawn per cluster; a prefill replica holds blocks only until they are pulled
-    # (on a CPU without bf16 arithmetic, auto is fp32 too: no difference then)
+    # (on a CPU without bf16 arithmetic, auto is fp32 too: no difference then); each pool's largest
+    # step (profiled where a KV budget applies) is what its worker runs at most, and its KV budget
+    # holds back the transfers' staging memory
     engine = {"engine.dtype": (fast_dtype("cpu"), "float32")} if fast_dtype("cpu") != "float32" else {}
+    engine["engine.reserved_memory"] = (KVTransferConfig().max_inflight_bytes, 0)
     kv = {"kv.secret": (secret, "")}
     assert _differences(cfg.prefill_worker_config(), PrefillWorkerConfig()) == {
-        **engine, **kv, "engine.num_blocks": (512, EngineConfig().num_blocks)}
-    assert _differences(cfg.decode_worker_config(), DecodeWorkerConfig()) == {**engine, **kv}
+        **engine, **kv, "engine.num_blocks": (PREFILL_CPU_BLOCKS, EngineConfig().num_blocks),
+        "engine.max_step_tokens": (PrefillWorkerConfig().max_batch_tokens, None)}
+    assert _differences(cfg.decode_worker_config(), DecodeWorkerConfig()) == {
+        **engine, **kv, "engine.max_step_tokens": (EngineConfig().max_num_seqs, None)}
 
 
 def test_an_empty_yaml_builds_the_routers_default_config() -> None:
