@@ -154,6 +154,7 @@ class Engine:
         ``mcfg`` was read from (its tokenizer and grammar vocabulary are looked up there). ``probe``:
         the device's memory for sizing the KV cache (`kv_cache_blocks`; `probe_for` by default)."""
         max_len = min(config.max_model_len or mcfg.max_context, mcfg.max_context)
+        config = replace(config, max_model_len=max_len)  # what the backend sizes for (before the cache is)
         with timing_lock(config):  # kernel timings and compiles, not disturbed by another engine's
             # the model takes the weights (`build_model` empties the container): a backend that reformats
             # them frees the loaded ones as it goes

@@ -218,8 +218,11 @@ def _varlen() -> Kernel | None:
 
 
 def _table_width(config: EngineConfig) -> int:
-    """Columns of a captured step's block table: enough blocks for the longest sequence."""
-    longest = config.max_model_len if config.max_model_len is not None else config.num_blocks * config.block_size
+    """Columns of a captured step's block table: enough blocks for the longest sequence (an `Engine`
+    passes its resolved ``max_model_len``; else ``num_blocks`` bounds it)."""
+    longest = config.max_model_len or (config.num_blocks or 0) * config.block_size
+    if not longest:
+        raise ValueError("CUDA graphs need max_model_len or num_blocks to size their block tables")
     return -(-longest // config.block_size)
 
 
