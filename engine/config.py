@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine.attention.registry import BACKENDS
+from engine.attention.names import BACKENDS
 from engine.errors import ModelLoadError
 from engine.kv_budget import DEFAULT_DEVICE_FRACTION, Budget, check_budget
 from engine.model.families import ACTIVATION_NAMES, FAMILIES, MODEL_TYPES, SUPPORTED_ARCHITECTURES, Family

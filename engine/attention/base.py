@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
@@ -31,7 +31,6 @@ from engine.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.model.model import LlamaModel
     from engine.model.rope import RopeTables
 
 
@@ -95,6 +94,16 @@ def decode_call_lengths(spec: AttentionSpec, batch: DecodeBatch) -> torch.Tensor
     return batch.positions + 1 if spec.length_dependent else None
 
 
+class StepModel(Protocol):
+    """What a backend calls of the model it serves (`engine.model.model.LlamaModel`)."""
+
+    def forward(self, token_ids: torch.Tensor, cache: KVCache, meta: object) -> torch.Tensor: ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: ...
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor: ...
+
+
 class AttentionBackend(ABC):
     """RoPE, KV store and attention over the paged cache for one engine (see the module docstring).
 
@@ -114,7 +123,7 @@ class AttentionBackend(ABC):
         """Why this backend cannot run ``spec`` under ``config`` (None: it can)."""
         return None
 
-    def prepare_model(self, model: LlamaModel) -> None:
+    def prepare_model(self, model: StepModel) -> None:
         """Swap the model's linear kernels for this backend's formats (default: keep the plain ones)."""
         return None
 
@@ -130,11 +139,11 @@ class AttentionBackend(ABC):
     def forward(self, layer: int, qkv: torch.Tensor, cache: KVCache, meta: object) -> torch.Tensor:
         """qkv [T, q + 2kv] (q and k not yet rotated) → attention output [T, H * D]; k and v stored."""
 
-    def decode_step(self, model: LlamaModel, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
+    def decode_step(self, model: StepModel, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
         """One decode step's fp32 logits [B, vocab]; a backend may run it fused or captured."""
         return model.logits(model.forward(batch.token_ids, cache, self.prepare_decode(batch, cache)))
 
-    def warm_up(self, model: LlamaModel, cache: KVCache) -> None:
+    def warm_up(self, model: StepModel, cache: KVCache) -> None:
         """Compile or capture what the first request would otherwise pay for (default: nothing)."""
         return None
 

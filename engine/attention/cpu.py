@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionSpec, decode_call_lengths, prefill_call_lengths
+from engine.attention.base import AttentionBackend, AttentionSpec, StepModel, decode_call_lengths, prefill_call_lengths
 from engine.attention.cpu_decode import DecodeGroups, decode_groups, grouped_attention, warm_up_compiled
 from engine.attention.ops import Workspace, prefill_attention, write_kv
 from engine.batch import DecodeBatch, PrefillBatch
@@ -80,7 +80,8 @@ class CpuBackend(AttentionBackend):
             return f"no CPU kernels for {spec.dtype}"
         return None
 
-    def prepare_model(self, model: LlamaModel) -> None:
+    def prepare_model(self, model: StepModel) -> None:
+        assert isinstance(model, LlamaModel)
         self.kernel_choices = swap_cpu_linears(model.layers, model.head, self.config)
         self.native_step, self.native_step_error = native_step_for(
             model.cfg, model.layers, model.head, self.spec.dtype, self._native_attention_error())
@@ -146,7 +147,7 @@ class CpuBackend(AttentionBackend):
         attn = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H, D]
         return attn.reshape(attn.shape[0], -1)
 
-    def decode_step(self, model: LlamaModel, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
+    def decode_step(self, model: StepModel, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
         meta = self.prepare_decode(batch, cache)
         stores = meta.rotation.stores
         if self.native_step is not None and stores is not None and batch.batch <= self.native_step.max_rows:
@@ -154,7 +155,7 @@ class CpuBackend(AttentionBackend):
             return self.native_step(h, stores[0], batch.block_table, cache.k, cache.v).float()
         return model.logits(model.forward(batch.token_ids, cache, meta))
 
-    def warm_up(self, model: LlamaModel, cache: KVCache) -> None:
+    def warm_up(self, model: StepModel, cache: KVCache) -> None:
         warm_up_compiled(self.choice, self.spec, cache)
 
     def report(self) -> dict[str, object]:

@@ -1,11 +1,11 @@
 """The registry of attention backends: name → module, imported only when picked.
 
-Owns: `BACKENDS` (the names `EngineConfig.backend` accepts, besides ``"auto"``), `backend_class`
+Owns: `backend_class` (a name of `engine.attention.names.BACKENDS` → its class, imported then)
 and `pick_backend`, which builds the backend an engine asks for or says why it cannot.
 
 Invariants: importing this module imports no backend (so reading a config never loads kernel
 machinery); a backend is one module holding one `AttentionBackend` subclass named in its
-``BACKEND`` attribute, plus one line here; ``"auto"`` means ``cpu`` on a CPU and ``torch``
+``BACKEND`` attribute, plus one line in `engine.attention.names`; ``"auto"`` means ``cpu`` on a CPU and ``torch``
 elsewhere, falling back to ``torch`` then ``reference`` where the first cannot run (logged, with
 the reason); an explicitly named backend that cannot run is refused with its reason, never
 replaced by another.
@@ -17,18 +17,14 @@ import importlib
 import logging
 from typing import TYPE_CHECKING
 
+from engine.attention.names import BACKENDS
+
 if TYPE_CHECKING:
     from engine.attention.base import AttentionBackend, AttentionSpec
     from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-#: name → module holding the backend class (its ``BACKEND`` attribute)
-BACKENDS: dict[str, str] = {
-    "reference": "engine.attention.reference",
-    "cpu": "engine.attention.cpu",
-    "torch": "engine.attention.torch_backend",
-}
 
 
 class BackendUnavailable(RuntimeError):

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionSpec
+from engine.attention.base import AttentionBackend, AttentionSpec, StepModel
 from engine.attention.flex_meta import (
     Q_BLOCK,
     PagedMasks,
@@ -52,7 +52,6 @@ from engine.model.rope import rotate_rolled
 if TYPE_CHECKING:
     from engine.attention.cuda_graphs import DecodeGraphs
     from engine.config import EngineConfig
-    from engine.model.model import LlamaModel
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -177,19 +176,19 @@ class TorchBackend(AttentionBackend):
             outs.append(o.transpose(0, 1))
         return torch.cat(outs)
 
-    def decode_step(self, model: LlamaModel, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
+    def decode_step(self, model: StepModel, batch: DecodeBatch, cache: KVCache) -> torch.Tensor:
         if self.graphs is not None:
             logits = self.graphs.run(self._step(model, cache), batch, (model, cache))
             if logits is not None:
                 return logits
         return super().decode_step(model, batch, cache)
 
-    def warm_up(self, model: LlamaModel, cache: KVCache) -> None:
+    def warm_up(self, model: StepModel, cache: KVCache) -> None:
         """Capture every rung's decode graph before serving (writes slot 0 of block 0)."""
         if self.graphs is not None:
             self.graphs.capture_all(self._step(model, cache), (model, cache))
 
-    def _step(self, model: LlamaModel, cache: KVCache) -> Callable[[DecodeBatch], torch.Tensor]:
+    def _step(self, model: StepModel, cache: KVCache) -> Callable[[DecodeBatch], torch.Tensor]:
         """A decode step as `AttentionBackend.decode_step` runs it, metadata included (what a graph captures)."""
         return lambda b: model.logits(model.forward(b.token_ids, cache, self.prepare_decode(b, cache)))
 

@@ -44,7 +44,7 @@ from engine.sampling.stages import Sampled, bias_and_min_tokens, penalties, send
 
 if TYPE_CHECKING:
     from engine.sampling.draw import Truncation
-    from engine.sampling.sampler import SamplerState
+    from engine.sampling.params import SamplerState
 
 
 def choose(logits: torch.Tensor, states: Sequence[SamplerState]) -> Sampled:

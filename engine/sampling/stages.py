@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from engine.sampling.sampler import PenaltyBook, SamplerState
+    from engine.sampling.params import PenaltyBook, SamplerState
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, log-prob), the most likely first
 

@@ -31,23 +31,13 @@ from engine.sampling.grammar import (
 )
 from engine.sampling.sampler import SamplerState, SamplingParams, sample
 from engine.tokenizer import Tokenizer
+from tests.support.grammar_specs import SCHEMA, SPEC
 from tests.support.models import make_tiny_chat_model
 
 pytestmark = pytest.mark.timeout(120)
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "color": {"enum": ["red", "green", "light blue"]},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["color", "n", "ok"],
-    "additionalProperties": False,
-}
 # The same language written out: properties in the schema's order, ", " and ": " as separators.
 SCHEMA_RE = regex.compile(r'\{"color": "(red|green|light blue)", "n": ([0-9]|[1-9][0-9]), "ok": (true|false)\}')
-SPEC = GrammarSpec("json_schema", json.dumps(SCHEMA))
 
 
 @pytest.fixture(scope="module")

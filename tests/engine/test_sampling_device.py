@@ -24,7 +24,7 @@ from engine.sampling import device
 from engine.sampling.grammar import GrammarSpec, GrammarVocab, grammar_vocab, mask_logits
 from engine.sampling.sampler import Sampled, SamplerState, SamplingParams, sample
 from engine.tokenizer import Tokenizer
-from tests.engine.test_grammar import SPEC
+from tests.support.grammar_specs import SPEC
 
 pytestmark = pytest.mark.timeout(120)
 
