@@ -21,11 +21,12 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionSpec, StepModel, decode_call_lengths, prefill_call_lengths
 from engine.attention.cpu_decode import DecodeGroups, decode_groups, grouped_attention, warm_up_compiled
-from engine.attention.ops import Workspace, prefill_attention, write_kv
+from engine.attention.ops import prefill_attention, write_kv
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import EngineConfig
 from engine.kernels.attention_choice import AttentionChoice, choose_decode_attention
 from engine.kernels.cpu_linears import native_step_for, swap_cpu_linears
+from engine.kernels.gathered_decode import Workspace
 from engine.kernels.kernel_choice import KernelChoice
 from engine.kernels.native_attention import native_error
 from engine.kernels.native_rope import MAX_HEAD_DIM, RopeStore, native_rope_error

@@ -3,7 +3,7 @@
 Owns: `decode_groups` (a step's rows, sorted by context length, split into consecutive groups
 each padded only to its own longest context, so one long sequence does not make every short one
 attend over its length; an additive mask per group, and per window size a windowed copy) and
-`grouped_attention` (each group through `engine.attention.ops.paged_decode_attention` by the
+`grouped_attention` (each group through `engine.kernels.gathered_decode.paged_decode_attention` by the
 method `engine.kernels.attention_choice` picked for its size).
 
 Invariants: padding positions carry ``-inf`` in the bias (and lie beyond each row's length), so a
@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionSpec, LayerAttention
-from engine.attention.ops import PagedDecodeMeta, Workspace, paged_decode_attention, visible_keys
+from engine.attention.ops import visible_keys
 from engine.batch import DecodeBatch
 from engine.kernels.attention_choice import AttentionChoice
+from engine.kernels.gathered_decode import PagedDecodeMeta, Workspace, paged_decode_attention
 from engine.kv_cache import KVCache
 
 

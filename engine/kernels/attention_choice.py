@@ -33,14 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.ops import (
+from engine.config import DECODE_ATTENTION
+from engine.kernels.gathered_decode import (
     GATHERED_METHODS,
     SOFTCAP_METHODS,
     PagedDecodeMeta,
     Workspace,
     paged_decode_attention,
 )
-from engine.config import DECODE_ATTENTION
 from engine.kernels.kernel_choice import best_of_interleaved
 from engine.kernels.native_attention import native_error
 

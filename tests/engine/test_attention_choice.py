@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention.ops import DECODE_METHODS, GATHERED_METHODS, SOFTCAP_METHODS
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kernels import attention_choice, compiled_attention
 from engine.kernels.attention_choice import AttentionChoice, choose_decode_attention, compiled_error, time_methods
+from engine.kernels.gathered_decode import DECODE_METHODS, GATHERED_METHODS, SOFTCAP_METHODS
 from engine.runner import DecodeSeq
 from tests.support.markers import needs_cxx
 from tests.support.models import make_tiny

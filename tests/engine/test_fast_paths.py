@@ -14,9 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import ops as attention
-from engine.attention.ops import PagedDecodeMeta, Workspace, decode_attention, paged_decode_attention
+from engine.attention import ops
+from engine.attention.ops import decode_attention
 from engine.config import EngineConfig, ModelConfig
+from engine.kernels import gathered_decode
+from engine.kernels.gathered_decode import PagedDecodeMeta, Workspace, paged_decode_attention
 from engine.kernels.quant import Linear, PackedLinear, make_linear, onednn_packing_available
 from engine.kv_cache import KVCache
 from engine.loading.weights import load_weights
@@ -26,7 +28,8 @@ from tests.support.markers import needs_cxx
 from tests.support.models import make_tiny
 
 BLOCK = 8
-METHODS = [pytest.param(m, marks=needs_cxx) if m in ("compiled", "native") else m for m in attention.DECODE_METHODS]
+METHODS = [pytest.param(m, marks=needs_cxx) if m in ("compiled", "native") else m
+           for m in gathered_decode.DECODE_METHODS]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -86,13 +89,13 @@ def test_native_fp32_prefill_attention_matches_reference(tmp_path: Path, monkeyp
     reference path's SDPA up to fp32 rounding."""
     path = make_tiny("llama", tmp_path / "d64", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     calls: list[int] = []
-    real = attention.native_prefill_attention
+    real = ops.native_prefill_attention
 
     def counted(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(attention, "native_prefill_attention", counted)
+    monkeypatch.setattr(ops, "native_prefill_attention", counted)
     ref = scenario(runner(path, torch.float32, fast=False))
     assert not calls
     fast = scenario(runner(path, torch.float32, fast=True))
@@ -111,10 +114,10 @@ def test_fast_fp32_decode_attention_methods_match_reference(tiny_dir: Path, meth
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("small_rows", [attention.SMALL_DECODE_ROWS, 0])  # 0: bf16 decode via bmm, not SDPA
+@pytest.mark.parametrize("small_rows", [gathered_decode.SMALL_DECODE_ROWS, 0])  # 0: bf16 decode via bmm, not SDPA
 def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path, small_rows: int, kernels: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention, "SMALL_DECODE_ROWS", small_rows)
+    monkeypatch.setattr(gathered_decode, "SMALL_DECODE_ROWS", small_rows)
     exact = scenario(runner(tiny_dir, torch.float32, fast=False))
     ref = scenario(runner(tiny_dir, torch.bfloat16, fast=False))
     fast = scenario(runner(tiny_dir, torch.bfloat16, fast=True, kernels=kernels))
@@ -125,7 +128,7 @@ def test_fast_bf16_error_within_reference_bf16_error(tiny_dir: Path, small_rows:
 
 @pytest.mark.parametrize(("method", "softcap"), [
     pytest.param(m, None, marks=needs_cxx) if m in ("compiled", "native") else (m, None)
-    for m in attention.DECODE_METHODS] + [(m, 2.0) for m in attention.SOFTCAP_METHODS])
+    for m in gathered_decode.DECODE_METHODS] + [(m, 2.0) for m in gathered_decode.SOFTCAP_METHODS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # bf16: the first three are small steps (fp32 after a cast), the last one the block-diagonal bf16 bmm path.
 @pytest.mark.parametrize(("kv_heads", "group", "lengths"),
@@ -184,11 +187,11 @@ def test_softcapped_prefill_matches_eager_formula() -> None:
         p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1)
         want = torch.einsum("hsl,lhd->shd", p, v.repeat_interleave(group, 1))
         for budget in (10**9, 1000):  # one block; blocks of a few rows
-            attention.SCORE_BLOCK_ELEMENTS, old = budget, attention.SCORE_BLOCK_ELEMENTS
+            ops.SCORE_BLOCK_ELEMENTS, old = budget, ops.SCORE_BLOCK_ELEMENTS
             try:
-                got = attention.explicit_prefill_attention(q, k, v, start, d**-0.5, cap, window)
+                got = ops.explicit_prefill_attention(q, k, v, start, d**-0.5, cap, window)
             finally:
-                attention.SCORE_BLOCK_ELEMENTS = old
+                ops.SCORE_BLOCK_ELEMENTS = old
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention.ops import GATHERED_METHODS, decode_attention
+from engine.attention.ops import decode_attention
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kernels import attention_choice, native_attention
 from engine.kernels.attention_choice import choose_decode_attention
+from engine.kernels.gathered_decode import GATHERED_METHODS
 from engine.kernels.native_attention import NativeUnavailable, native_error, native_paged_attention
 from engine.runner import DecodeSeq, PrefillChunk
 from tests.support.markers import needs_cxx
