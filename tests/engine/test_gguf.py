@@ -20,11 +20,11 @@ import transformers
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file
 
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.loading.bundled import DEFAULT_MODEL, bundled_gguf_path, prepare_model
 from engine.loading.gguf_identity import MARKER_FILE
 from engine.loading.gguf_loader import convert_gguf_to_hf
+from engine.model.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from tests.support.gguf_files import TOKENS, llama_cpp_permute, quantized, tiny_model, write_gguf
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import ModelConfig
 from engine.errors import MissingDependencyError
 from engine.kv_cache import KVCache
+from engine.model.config import ModelConfig
 from kv_transfer.errors import CodecError, TransferRefused
 from kv_transfer.handle import MAX_HANDLE_BYTES, KVHandle, decode_handle, encode_handle
 from kv_transfer.layout import KVLayout
