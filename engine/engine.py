@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.block_pool import BlockPool
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.errors import ContextLengthError
 from engine.kv_budget import DEFAULT_CPU_BLOCKS, MemoryUse, available_bytes, plan_num_blocks
 from engine.kv_cache import KVCache
@@ -33,6 +33,7 @@ from engine.loading.bundled import default_cache_dir
 from engine.loading.file_lock import file_lock
 from engine.loading.weights import ModelWeights, load_weights
 from engine.memory import MemoryProbe, gib, probe_for
+from engine.model.config import ModelConfig
 from engine.model.model import LlamaModel, build_model
 from engine.model_thread import ModelThread
 from engine.runner import ModelRunner, PrefillChunk

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
 from engine.kernels.huge_pages import huge_zeros
+from engine.model.config import ModelConfig
 
 
 @dataclass

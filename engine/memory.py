@@ -5,7 +5,8 @@ Owns: asking a device how much memory it has and how much is free now (CUDA:
 there (CUDA: the caching allocator's allocated bytes; a CPU: the process's resident set), and the
 peak a call needs beyond that (`MemoryProbe.peak_during`: CUDA's allocator high-water mark). A CPU
 probe profiles no peak (``profiles_peak`` false): a CPU step's activations are small beside the
-machine's memory and no allocator statistic sees them.
+machine's memory and no allocator statistic sees them. psutil is imported by the CPU probe when it
+measures, so a CUDA machine without it still sizes its cache.
 
 The probe is a parameter of `Engine.from_dir` (`probe_for` picks the device's), so tests feed a fake
 report and exercise the same sizing code a GPU runs.
@@ -20,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import psutil
 import torch
+
+from engine.errors import missing_dependency
 
 GIB = 1 << 30
 
@@ -83,10 +85,14 @@ class HostProbe:
     profiles_peak = False
 
     def report(self) -> MemoryReport:
+        with missing_dependency("psutil", "sizing a KV cache in host memory"):
+            import psutil
         vm = psutil.virtual_memory()
         return MemoryReport(total=int(vm.total), free=int(vm.available))
 
     def allocated(self) -> int:
+        with missing_dependency("psutil", "sizing a KV cache in host memory"):
+            import psutil
         return int(psutil.Process().memory_info().rss)
 
     def peak_during(self, fn: Callable[[], object]) -> int:

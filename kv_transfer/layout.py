@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig, parse_dtype
+from engine.config import parse_dtype
 from engine.kv_cache import KVCache
+from engine.model.config import ModelConfig
 from kv_transfer.errors import CodecError, TransferRefused
 from kv_transfer.wire import NAME_RE, Fields
 

@@ -7,6 +7,10 @@ that map and refuses unknown keys.
 Invariants: decoding untrusted bytes raises `CodecError` and nothing else, whatever the bytes; a
 value is never coerced (``True`` is not an int, ``1`` is not a string, NaN is not a float);
 identifiers are non-empty, bounded, and drawn from a small safe alphabet.
+
+msgpack is imported where a map is first packed or unpacked: the transports and the block
+helpers import this module's patterns, and a process that never speaks the control channel (the
+in-process NCCL hand-off of ``make gpu-check``) runs without the package.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import math
 import re
 from typing import Any
 
-import msgpack
-
+from engine.errors import missing_dependency
 from kv_transfer.errors import CodecError
+
+_NEEDED_FOR = "the KV control channel's codec"
 
 #: Identifiers (transfer ids, node ids): what goes into logs and store keys, so keep them boring.
 ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -35,6 +40,8 @@ _MAX_MAP = 64
 
 def pack(obj: dict[str, Any]) -> bytes:
     """msgpack of a map, binary-safe (``bytes`` stays ``bytes``)."""
+    with missing_dependency("msgpack", _NEEDED_FOR):
+        import msgpack
     out = msgpack.packb(obj, use_bin_type=True)
     assert isinstance(out, bytes)
     return out
@@ -48,6 +55,8 @@ def unpack_map(data: object, *, max_bytes: int, what: str) -> Fields:
         raise CodecError(f"{what}: {len(data)} bytes is over the {max_bytes}-byte limit")
     if len(data) == 0:
         raise CodecError(f"{what}: empty input")
+    with missing_dependency("msgpack", _NEEDED_FOR):
+        import msgpack
     try:
         obj = msgpack.unpackb(
             bytes(data),

@@ -304,8 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _vocab_size() -> int:
-    from engine.config import ModelConfig
     from engine.loading.bundled import prepare_model
+    from engine.model.config import ModelConfig
 
     return ModelConfig.from_dir(prepare_model(MODEL, progress=False)).vocab_size
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.loading.weights import LayerWeights, ModelWeights
+from engine.model.config import ModelConfig
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
 

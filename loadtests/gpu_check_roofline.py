@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class EngineTextCodec:
     """`TextCodec` over the engine's tokenizer of a prepared Hugging Face-style folder."""
 
     def __init__(self, folder: Path) -> None:
-        from engine.config import ModelConfig
+        from engine.model.config import ModelConfig
         from engine.tokenizer import Tokenizer
 
         self._folder = folder

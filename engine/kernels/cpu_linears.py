@@ -17,11 +17,12 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kernels.group_int8 import GroupInt8Linear, Weight
 from engine.kernels.kernel_choice import KernelChoice, build_linears
 from engine.kernels.native_step import NativeDecodeStep, native_step_error
 from engine.kernels.quant import Linear
+from engine.model.config import ModelConfig
 from engine.model.layer import LayerKernels, NormedLinear, fold_gain
 
 

@@ -11,6 +11,8 @@ Invariants:
   place is converted again. A bare directory is never trusted.
 - Conversion is done at most once per entry at a time on one host: processes that call
   `prepare_model` together (replicas starting side by side) wait on a lock file and reuse the result.
+- The converter (`engine.loading.gguf_loader`, and with it the ``gguf`` package) is imported only
+  when a file is converted: a model folder or a hub id needs neither.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from pathlib import Path
 import torch
 
 from engine.config import folder_checkpoint_dtype
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, missing_dependency
 from engine.loading.file_lock import file_lock
-from engine.loading.gguf_loader import CONVERTER_VERSION, MARKER_FILE, convert_gguf_to_hf, file_fingerprint
+from engine.loading.gguf_identity import CONVERTER_VERSION, MARKER_FILE, file_fingerprint
 from engine.loading.hub import cached_file, hub_model_dir, is_hub_id
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -78,6 +80,8 @@ def _converted(gguf_path: Path, folder: Path, progress: bool) -> Path:
         return folder
     with file_lock(folder.parent / f".{folder.name}.lock"):
         if not _is_complete(folder, gguf_path):  # another process may have finished it meanwhile
+            with missing_dependency("gguf", f"converting {gguf_path.name}"):
+                from engine.loading.gguf_loader import convert_gguf_to_hf
             convert_gguf_to_hf(gguf_path, folder, progress=progress)
     return folder
 

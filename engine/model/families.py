@@ -7,7 +7,7 @@ that only recombines existing features is one entry here.
 
 Invariants: a family's ``defaults`` are the values transformers' config class gives the fields a
 file may leave out (read under the file's own values, so a file is read as transformers reads it);
-every feature here is implemented exactly by the forward (what is not is refused in `engine.config`).
+every feature here is implemented exactly by the forward (what is not is refused in `engine.model.config`).
 """
 
 from __future__ import annotations

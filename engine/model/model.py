@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, AttentionSpec, LayerAttention
 from engine.attention.ops import soft_cap
 from engine.batch import DecodeBatch, PrefillBatch
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.loading.weights import ModelWeights
+from engine.model.config import ModelConfig
 from engine.model.layer import LayerKernels, NormedLinear, offset_gains, plain_layer, plain_linear, rms_norm
 from engine.model.rope import RopeTables, RotaryEmbedding
 

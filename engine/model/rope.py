@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from engine.config import ModelConfig
 from engine.kernels.native_rope import RopeStore
+from engine.model.config import ModelConfig
 from engine.model.rope_params import RopeParams, RopeScaling
 
 

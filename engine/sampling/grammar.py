@@ -25,6 +25,9 @@ grammar allows nothing more) ends the sequence with finish reason ``stop``, ``mi
 EOS is in the mask only where the grammar accepts the output so far. JSON is written with ``", "``
 between items and ``": "`` after keys and no other whitespace (a schema's ``x-guidance`` may say
 otherwise), so a model cannot pad its answer with whitespace until ``max_tokens``.
+
+llguidance is imported where a grammar is first built (`grammar_vocab`, `compile_grammar`): the
+sampler imports this module, and a process that never sees a grammar runs without the package.
 """
 
 from __future__ import annotations
@@ -37,12 +40,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import llguidance as llg
 import numpy as np
 import torch
 
+from engine.errors import missing_dependency
+
 if TYPE_CHECKING:
+    import llguidance as llg
     from llguidance._lib import JsonCompileOptions
+
+#: what a missing llguidance is needed for, in `missing_dependency`'s error
+_NEEDED_FOR = "a structured-output grammar (response_format)"
 
 GRAMMAR_KINDS = ("json_object", "json_schema")
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -77,6 +85,8 @@ class GrammarSpec:
 
     def llguidance_grammar(self) -> str:
         """The grammar in llguidance's own format (not yet checked: `compile_grammar` checks)."""
+        with missing_dependency("llguidance", _NEEDED_FOR):
+            import llguidance as llg
         return llg.LLMatcher.grammar_from_json_schema(
             _ANY_OBJECT if self.kind == "json_object" else self.source, defaults=_JSON_OPTIONS)
 
@@ -100,6 +110,8 @@ def grammar_vocab(folder: str | Path, eos_ids: Sequence[int]) -> GrammarVocab:
 
 @functools.lru_cache(maxsize=4)
 def _vocab(folder: str, eos_ids: tuple[int, ...]) -> GrammarVocab:
+    with missing_dependency("llguidance", _NEEDED_FOR):
+        import llguidance as llg
     text = (Path(folder) / "tokenizer.json").read_text(encoding="utf-8")
     try:
         return GrammarVocab(llg.LLTokenizer(text, eos_token=list(eos_ids) or None))
@@ -129,6 +141,8 @@ def compile_grammar(vocab: GrammarVocab, spec: GrammarSpec) -> CompiledGrammar:
         grammar = spec.llguidance_grammar()
     except ValueError as e:
         raise GrammarError(str(e)) from None
+    with missing_dependency("llguidance", _NEEDED_FOR):
+        import llguidance as llg
     start = llg.LLMatcher(vocab.tokenizer, grammar, log_level=0)
     if start.is_error():
         raise GrammarError(_brief(start.get_error()))

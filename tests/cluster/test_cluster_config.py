@@ -11,8 +11,9 @@ import torch
 from cluster.cli import main
 from cluster.config import ClusterConfig, ConfigError, Environment
 from cluster.serve_yaml import application_args
-from engine.config import EngineConfig, ModelConfig, auto_dtype, checkpoint_dtype, fast_dtype
+from engine.config import EngineConfig, auto_dtype, checkpoint_dtype, fast_dtype
 from engine.engine import log_dtype
+from engine.model.config import ModelConfig
 
 pytestmark = pytest.mark.timeout(60)
 

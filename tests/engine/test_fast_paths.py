@@ -16,12 +16,13 @@ import torch.nn.functional as F
 
 from engine.attention import ops
 from engine.attention.ops import decode_attention
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kernels import gathered_decode
 from engine.kernels.gathered_decode import PagedDecodeMeta, Workspace, paged_decode_attention
 from engine.kernels.quant import Linear, PackedLinear, make_linear, onednn_packing_available
 from engine.kv_cache import KVCache
 from engine.loading.weights import load_weights
+from engine.model.config import ModelConfig
 from engine.model.model import build_model
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from tests.support.markers import needs_cxx

@@ -20,10 +20,11 @@ import transformers
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file
 
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.loading.bundled import DEFAULT_MODEL, bundled_gguf_path, prepare_model
-from engine.loading.gguf_loader import MARKER_FILE, convert_gguf_to_hf
+from engine.loading.gguf_identity import MARKER_FILE
+from engine.loading.gguf_loader import convert_gguf_to_hf
+from engine.model.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from tests.support.gguf_files import TOKENS, llama_cpp_permute, quantized, tiny_model, write_gguf
 
@@ -187,7 +188,7 @@ def test_prepare_model_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     cache = tmp_path / "cache"
     first = prepare_model(str(tmp_path / "m.gguf"), cache_dir=cache, progress=False)
     assert first.parent == cache and first.name.startswith("m-") and (first / MARKER_FILE).is_file()
-    monkeypatch.setattr("engine.loading.bundled.convert_gguf_to_hf", lambda *a, **k: pytest.fail("reconverted"))
+    monkeypatch.setattr("engine.loading.gguf_loader.convert_gguf_to_hf", lambda *a, **k: pytest.fail("reconverted"))
     assert prepare_model(str(tmp_path / "m.gguf"), cache_dir=cache) == first
     assert prepare_model(str(first), cache_dir=cache) == first  # an HF folder is returned as is
     monkeypatch.undo()
@@ -201,7 +202,7 @@ def test_prepare_model_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_concurrent_prepare_converts_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.loading.bundled
+    import engine.loading.gguf_loader
 
     write_gguf(tmp_path / "m.gguf", tiny_model("llama", True), QT.F32)
     calls: list[Path] = []
@@ -210,7 +211,7 @@ def test_concurrent_prepare_converts_once(tmp_path: Path, monkeypatch: pytest.Mo
         calls.append(out)
         return convert_gguf_to_hf(src, out, progress=False)
 
-    monkeypatch.setattr(engine.loading.bundled, "convert_gguf_to_hf", counting)
+    monkeypatch.setattr(engine.loading.gguf_loader, "convert_gguf_to_hf", counting)  # what bundled imports
     with ThreadPoolExecutor(3) as pool:
         results = set(pool.map(lambda _: prepare_model(str(tmp_path / "m.gguf"), tmp_path / "c"), range(3)))
     assert len(results) == 1 and len(calls) == 1
@@ -235,7 +236,7 @@ def test_bundled_model_is_reused(smollm_dir: Path, monkeypatch: pytest.MonkeyPat
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
     assert cfg.kv_bytes_per_token(torch.float32) == 46_080 and cfg.tie_word_embeddings
     stamp = (smollm_dir / MARKER_FILE).stat().st_mtime_ns
-    monkeypatch.setattr("engine.loading.bundled.convert_gguf_to_hf", lambda *a, **k: pytest.fail("reconverted"))
+    monkeypatch.setattr("engine.loading.gguf_loader.convert_gguf_to_hf", lambda *a, **k: pytest.fail("reconverted"))
     assert prepare_model(DEFAULT_MODEL, cache_dir=smollm_dir.parent) == smollm_dir
     assert (smollm_dir / MARKER_FILE).stat().st_mtime_ns == stamp
 

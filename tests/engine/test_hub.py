@@ -19,11 +19,11 @@ import huggingface_hub
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.loading.bundled import prepare_model, stored_dtype
 from engine.loading.hub import METADATA_FILES, is_hub_id
 from engine.loading.weights import load_weights
+from engine.model.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from tests.support.models import bundled_tokenizer_dir, make_tiny
 

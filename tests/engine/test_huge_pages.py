@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.kernels.huge_pages import HUGE, huge_page_bytes, huge_zeros, thp_mode
 from engine.kv_cache import KVCache
+from engine.model.config import ModelConfig
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (4 * HUGE // 4 + 7,)])  # below the advice's floor, and above it

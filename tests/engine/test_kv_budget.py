@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import MemoryBudgetError
 from engine.kv_budget import DEFAULT_CPU_BLOCKS, MemoryUse, check_budget, plan_num_blocks
 from engine.memory import GIB, HostProbe, MemoryReport, probe_for
+from engine.model.config import ModelConfig
 
 MIB = 1 << 20
 BLOCK = 2 * MIB  # a Llama-3-8B block of 16 tokens in bf16

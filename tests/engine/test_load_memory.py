@@ -44,7 +44,7 @@ BOUND = 1.5
 _MEASURE = """
 import json, sys, torch
 from pathlib import Path
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from engine.loading.gguf_loader import convert_gguf_to_hf
 from engine.loading.weights import load_weights
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.model.config import ModelConfig
 from engine.model.rope_params import RopeParams
 
 BASE: dict[str, Any] = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from engine.attention.cpu import CpuBackend
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.loading.weights import load_weights
+from engine.model.config import ModelConfig
 from engine.model.model import build_model
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from tests.support.markers import needs_cxx

@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kernels.native_linear import NativeLinear
 from engine.kernels.quant import Int8Linear, dequantize_int8, make_linear, quantize_int8
 from engine.kv_cache import KVCache
 from engine.loading.weights import load_weights
+from engine.model.config import ModelConfig
 from engine.model.model import LlamaModel, build_model
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from tests.support.models import make_tiny

@@ -212,7 +212,7 @@ def test_tables_equal_transformers(name: str) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    from engine.config import ModelConfig
+    from engine.model.config import ModelConfig
     from engine.model.rope import RotaryEmbedding, inv_freq
 
     raw = CONFIGS[name]

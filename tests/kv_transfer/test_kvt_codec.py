@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import pickle
+import sys
 
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import ModelConfig
+from engine.errors import MissingDependencyError
 from engine.kv_cache import KVCache
+from engine.model.config import ModelConfig
 from kv_transfer.errors import CodecError, TransferRefused
 from kv_transfer.handle import MAX_HANDLE_BYTES, KVHandle, decode_handle, encode_handle
 from kv_transfer.layout import KVLayout
@@ -208,3 +210,13 @@ def test_hello_rejects_short_nonce_and_mac() -> None:
 def test_error_reason_is_truncated_to_stay_decodable() -> None:
     e = Error(code="refused", reason="x" * 100_000)
     assert decode_message(encode_message(e)) == e and len(e.reason) <= 1000
+
+
+def test_the_codec_needs_msgpack_only_when_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module imports without msgpack (the NCCL hand-off needs none); packing or unpacking asks
+    for it by name, never as a `CodecError` about the bytes."""
+    monkeypatch.setitem(sys.modules, "msgpack", None)
+    with pytest.raises(MissingDependencyError, match="KV control channel's codec needs the 'msgpack' package"):
+        encode_handle(handle())
+    with pytest.raises(MissingDependencyError, match="'msgpack' package"):
+        decode_handle(b"\x80")

@@ -43,15 +43,63 @@ def test_a_module_that_does_not_import_fails_the_preflight_and_nothing_runs(
     assert "no_such_module_for_gpu_check" in check["reason"]
 
 
-def test_imports_no_ray_fastapi_or_uvicorn() -> None:
-    """The device image has torch, transformers and cupy only: the check and what it imports stay off Ray."""
-    code = ("import sys\n"
-            "import loadtests.gpu_check, loadtests.gpu_check_families, loadtests.gpu_check_nccl\n"
-            "import loadtests.gpu_check_sampler, loadtests.gpu_check_timing, tests.support.models\n"
-            "import engine.engine, engine.generate, engine.runner, kv_transfer.nccl, kv_transfer.blocks\n"
-            "print(sorted(m for m in ('ray', 'fastapi', 'uvicorn', 'starlette') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+#: project dependencies the device image lacks (torch, transformers and cupy are there, and what
+#: transformers brings: numpy, safetensors, tokenizers, huggingface_hub, pyyaml, tqdm)
+ABSENT_ON_THE_DEVICE_IMAGE = ("gguf", "llguidance", "msgpack", "psutil", "jinja2", "pydantic", "ray", "fastapi",
+                              "uvicorn", "starlette", "prometheus_client", "jsonschema")
+#: in a fresh interpreter with those packages made absent (None in ``sys.modules``: ``import`` raises
+#: ModuleNotFoundError and ``importlib.util.find_spec`` says None, as for a package never installed)
+_WITHOUT_THEM = f"""
+import sys
+for name in {ABSENT_ON_THE_DEVICE_IMAGE!r}:
+    sys.modules[name] = None
+import torch
+import loadtests.gpu_check, loadtests.gpu_check_families, loadtests.gpu_check_nccl
+import loadtests.gpu_check_sampler, loadtests.gpu_check_timing, tests.support.models
+import engine.engine, engine.generate, engine.runner, kv_transfer.nccl, kv_transfer.blocks
+from loadtests import gpu_check
+check = gpu_check.preflight()
+assert check.status == "pass", check.reason
+"""
+
+
+def test_imports_with_only_torch_and_transformers() -> None:
+    """The device image has torch, transformers and cupy only: every module the check imports (its
+    preflight's list) imports without the project's other dependencies, and ``--help`` works."""
+    code = _WITHOUT_THEM + "gpu_check.main(['--help'])\n"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "--device" in out.stdout and "--no-timing" in out.stdout
+
+
+def test_the_nccl_section_and_the_floors_run_without_them() -> None:
+    """Past the imports: the NCCL section's one-GPU path (over tests/support/fake_cupy, as in
+    `test_nccl_self_transfer_over_the_fake_cupy_moves_every_byte`) and the floors' arithmetic run
+    without msgpack and the rest, so neither needs a package the image lacks at run time."""
+    code = _WITHOUT_THEM + """
+import kv_transfer.nccl as nccl_mod
+from loadtests import gpu_check_roofline as rf
+from loadtests.gpu_check_models import LLAMA3_8B, shape_config
+from loadtests.gpu_check_nccl import nccl_transfer
+from tests.support import fake_cupy
+nccl_mod._cupy = fake_cupy.modules
+nccl_mod._current_device = lambda: torch.device("cpu")
+src = [torch.arange(n * 16, dtype=torch.float32).reshape(n, 16) for n in (1, 3)]
+dst = [torch.zeros_like(t) for t in src]
+print(nccl_transfer(src, dst))
+assert all(torch.equal(a, b) for a, b in zip(src, dst, strict=True))
+import tempfile, pathlib
+cfg = shape_config(pathlib.Path(tempfile.mkdtemp()), LLAMA3_8B)
+print(rf.decode_weight_bytes(cfg, 1) + cfg.vocab_size * cfg.hidden_size)
+print(sorted(m for m in sys.modules if m.partition(".")[0] in ("gguf", "llguidance", "msgpack", "psutil")
+             and sys.modules[m] is not None))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    how, params, loaded = out.stdout.strip().splitlines()[-3:]
+    assert "sending to itself" in how
+    assert int(params) == 8_030_261_248  # Meta-Llama-3-8B's parameters, as the in-process test
+    assert loaded == "[]"
 
 
 # ---- the floors ----

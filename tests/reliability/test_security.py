@@ -24,7 +24,7 @@ from starlette.requests import Request
 
 from cluster.app import compose_app
 from cluster.config import ClusterConfig
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from kv_transfer.client import KVPuller, PullerConfig
 from kv_transfer.errors import AuthError
 from kv_transfer.handle import KVHandle

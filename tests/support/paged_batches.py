@@ -15,8 +15,8 @@ import torch
 
 from engine.attention.base import AttentionSpec, LayerAttention
 from engine.batch import DecodeBatch, PrefillBatch
-from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from engine.model.config import ModelConfig
 from engine.model.rope import RopeTables, RotaryEmbedding
 from engine.model.rope_params import RopeParams, RopeScaling
 

@@ -64,8 +64,8 @@ class SilentSourcePrefill:
     """Token 0 at once, and a handle to a listener that never speaks (see the module docstring)."""
 
     def __init__(self, config: Any) -> None:
-        from engine.config import ModelConfig
         from engine.loading.bundled import prepare_model
+        from engine.model.config import ModelConfig
         from kv_transfer.layout import KVLayout
 
         folder = prepare_model(config.model, progress=False)
