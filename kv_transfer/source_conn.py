@@ -3,15 +3,14 @@
 Owns what the source does on one connection, in order: CHALLENGE / HELLO / WELCOME (auth.py), then
 a sequential loop over PAIR (set up the data-plane pair, once), PULL (announce, send the blocks,
 await DONE, ACK) and RELEASE (free unpulled blocks, ACK). The server (`kv_transfer.server`) owns the
-listener, the connection limit, the outbox's lease expiry and the counters this module adds to.
+listener, the live connections' set, lease expiry and the counters this module adds to.
 
-Invariants: the handler is sequential and holds the pair's lock around PAIR and PULL, so transfers
-on one pair are serialized; before authentication a peer may send at most `MAX_HELLO_BYTES`; every
-refusal is an ``Error`` frame with a reason and leaves the connection up; any other failure ends
-the connection and its pair (`_teardown`, always run); an entry taken for a transfer is requeued
-unless DONE arrived, and only after no block is read any more (stream cancelled, or the gather ran
-to completion); the control connection is read while the data plane runs, so a destination that
-dies fails the transfer at once.
+Invariants: the handler is sequential and holds the pair's lock around PAIR and PULL (transfers on
+a pair are serialized); before authentication a peer sends at most `MAX_HELLO_BYTES`; a refusal is
+an ``Error`` frame with a reason and keeps the connection; any other failure ends it and its pair
+(`_teardown`, always run); an entry taken for a transfer is requeued unless DONE arrived, only once
+no block is read (stream cancelled, or the gather ran to completion); the control connection is
+read during the data plane, so a destination that dies fails the transfer at once.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.kv_cache import KVCache
 from kv_transfer.auth import make_challenge, make_welcome, verify_hello
@@ -40,13 +39,30 @@ from kv_transfer.staging import StagingPool
 from kv_transfer.streams import GatherStream
 from kv_transfer.transport import SOURCE_RANK, KVTransport, make_transport, transport_class
 
-if TYPE_CHECKING:
-    from kv_transfer.server import SourceConfig
-
 log = logging.getLogger(__name__)
 
 #: Largest frame accepted before authentication (a HELLO is under 400 bytes).
 MAX_HELLO_BYTES = 4096
+
+
+class ConnectionSettings(Protocol):
+    """The settings a connection reads (`kv_transfer.server.SourceConfig` has them)."""
+    @property
+    def transport(self) -> str: ...
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def handshake_timeout_s(self) -> float: ...
+    @property
+    def io_timeout_s(self) -> float: ...
+    @property
+    def idle_timeout_s(self) -> float | None: ...
+    @property
+    def pair_timeout_s(self) -> float: ...
+    @property
+    def transfer_timeout_s(self) -> float: ...
+    @property
+    def max_clock_skew_s(self) -> float: ...
 
 
 @dataclass
@@ -66,7 +82,7 @@ class SourceCounts:
 class SourceContext:
     """What every connection of one started source shares (made by `KVSource.start`)."""
 
-    config: SourceConfig
+    config: ConnectionSettings
     host: str
     node_id: str
     secret: bytes
