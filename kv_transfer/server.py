@@ -152,6 +152,10 @@ class KVSource:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     @property
+    def listening(self) -> bool:
+        return self._server is not None
+
+    @property
     def address(self) -> tuple[str, int]:
         if self._server is None:
             raise RuntimeError("KVSource is not started")
