@@ -4,7 +4,8 @@
 YAML's ``args:``. `compose_app` does the work from a validated config and lets tests inject fakes.
 Deployments: ``router`` (the HTTP ingress), ``prefill`` (disaggregated mode only) and ``decode``.
 Each pool's handles route with `router.replica_router.LoadAwareRequestRouter` over the replicas'
-own load reports (``record_routing_stats`` → ``load()``).
+own load reports (``record_routing_stats`` → ``load()``); decode replicas read the prefill replicas'
+reports too (by the deployment's name, `PREFILL_DEPLOYMENT`), to meet every KV source at start-up.
 
 Placement, autoscaling and graceful drain come from each section via `cluster.placement`.
 
@@ -21,7 +22,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.deployment import Deployment
 
-from cluster.config import ClusterConfig
+from cluster.config import PREFILL_DEPLOYMENT, ClusterConfig
 from cluster.placement import actor_placement, serve_options
 from router.app import Router
 from router.codec import TextCodec
@@ -80,7 +81,7 @@ def compose_app(
 
             prefill_cls = PrefillServer
         prefill = _deployment(with_routing_stats(prefill_cls)).options(
-            name="prefill",
+            name=PREFILL_DEPLOYMENT,
             max_ongoing_requests=cfg.prefill.max_ongoing_requests,
             ray_actor_options=_actor_options(cfg.prefill.num_cpus, cfg.prefill.num_gpus, threads)
             | actor_placement(cfg.prefill.placement),

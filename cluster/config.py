@@ -48,6 +48,7 @@ from router.config import RouterConfig
 from router.policy import AffinityParams, known_policy
 
 #: a CPU prefill replica's KV blocks where neither num_blocks nor a budget is set: they wait only to be pulled
+PREFILL_DEPLOYMENT = "prefill"  # the prefill pool's Serve deployment (decode replicas find its KV sources by it)
 PREFILL_CPU_BLOCKS = 512
 
 
@@ -348,7 +349,8 @@ class ClusterConfig(_Section):
                                   prefill_chunk_size=d.prefill_chunk_size, stream_interval=d.stream_interval,
                                   watermark_blocks=d.watermark_blocks, max_swap_blocks=d.max_swap_blocks,
                                   max_queue=d.max_queue, token_timeout_s=self.limits.token_timeout_s,
-                                  model_cache_dir=self.model_cache_dir)
+                                  model_cache_dir=self.model_cache_dir,
+                                  prefill_deployment=PREFILL_DEPLOYMENT if self.disaggregated else None)
 
     def router_config(self) -> RouterConfig:
         lim = self.limits

@@ -29,3 +29,6 @@ class DecodeWorkerConfig:
     # --stream-interval, fewer Ray items and SSE chunks per token at the cost of burstier arrivals
     stream_interval: int = 1
     model_cache_dir: str | None = None
+    # disaggregated: the Serve deployment of the prefill pool whose KV sources this replica meets at
+    # start-up and on every change of the pool (None: each source is met at the first handle naming it)
+    prefill_deployment: str | None = None

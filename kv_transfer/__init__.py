@@ -14,8 +14,10 @@ Module map (one concept each):
   `blocks`: the direct-mode order (runs of block ids, in-process only).
 - `blocking`: running blocking work off the event loop; `dataplane`: the worker-thread bodies.
 - `node`: this node's address and id.
-- `server` (`KVSource`, prefill side) and `client` (`KVPuller`, decode side); `peers`: the
-  puller's connections and pairs, set up when replicas meet (PAIR), never inside a pull.
+- `server` (`KVSource`, prefill side: listener, offers, lease expiry) and `source_conn` (one
+  destination's connection on it); `client` (`KVPuller`, decode side); `peers`: the puller's
+  connections and pairs, set up when replicas meet (PAIR), never inside a pull; `keeper`: the
+  prefill pool's sources kept met (new ones met, failed ones retried, gone ones forgotten).
 - `bench`: ``python -m kv_transfer.bench``: pull throughput between two processes.
 """
 

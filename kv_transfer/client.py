@@ -2,7 +2,8 @@
 
 Life cycle of a pull (the decode scheduler reserved ``dst_block_ids`` first):
 
-    meet(source)  (start-up, or the first handle naming a new source: see `peers.py`)
+    meet_sources(the prefill pool's sources) (start-up and every change: `keeper.py`), or meet(source),
+    or, for a source not met yet, the first handle naming it (counted in ``pulls_unpaired``)
       ─▶ connect + CHALLENGE / HELLO / WELCOME ─▶ PAIR ─▶ PAIR_READY ─▶ both open the pair
     pull(handle, cache, block_ids)
       ─▶ local checks (layout, block ids)            ─▶ TransferRefused / ValueError, nothing sent
@@ -30,7 +31,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from engine.kv_cache import KVCache
@@ -42,6 +43,7 @@ from kv_transfer.dataplane import recv_all, recv_streamed
 from kv_transfer.errors import ConnectionClosed, TransferError, TransferRefused, TransferTimeout
 from kv_transfer.framing import recv_message, send_message
 from kv_transfer.handle import KVHandle
+from kv_transfer.keeper import Backoff, KeeperStats, Plan, SourceKeeper
 from kv_transfer.layout import KVLayout
 from kv_transfer.messages import Ack, Done, Pull, PullReady, Release
 from kv_transfer.node import default_node_id, node_ip
@@ -95,6 +97,9 @@ class KVPuller:
             host=self.host, transport=config.transport, node_id=self.node_id,
             connect_timeout_s=config.connect_timeout_s, pair_timeout_s=config.pair_timeout_s,
             close_timeout_s=config.close_timeout_s), self._executor)
+        self.keeper = SourceKeeper(self.peers, Backoff())
+        self._keeping: asyncio.Task[None] | None = None
+        self.pulls_unpaired = 0  # pulls that found no pair with their source and waited for a meeting
         self._closed = False
 
     # --- public -------------------------------------------------------------------------------
@@ -103,6 +108,20 @@ class KVPuller:
         """Set up the pair with ``source`` now (e.g. at start-up); idempotent; bounded by ``pair_timeout_s``."""
         self._check_open()
         await self.peers.wait_paired(source, self.config.pair_timeout_s + 1.0, f"meeting {source}")
+
+    def meet_sources(self, sources: Iterable[Source]) -> Plan:
+        """The prefill pool's sources now: meet new ones in the background, forget those gone (never blocks)."""
+        self._check_open()
+        return self.keeper.update(sources)
+
+    def keep_sources(self, listed: Callable[[], Iterable[Source]], interval_s: float) -> None:
+        """Poll ``listed`` every ``interval_s`` and `meet_sources` from it, until `close`; idempotent."""
+        self._check_open()
+        if self._keeping is None:
+            self._keeping = asyncio.create_task(self.keeper.run(listed, interval_s), name="kv-source-keeper")
+
+    def pair_stats(self) -> KeeperStats:
+        return self.keeper.stats()
 
     @property
     def staging(self) -> StagingPool:
@@ -117,6 +136,8 @@ class KVPuller:
         self._check_open()
         what = f"pull {handle.transfer_id}"
         deadline = asyncio.get_running_loop().time() + timeout_s
+        if self.peers.paired(handle.source) is None:
+            self.pulls_unpaired += 1
         for attempt in range(2):
             await self.peers.wait_paired(handle.source, self._left(deadline), what)
             async with self.peers.lock(handle.source, self._left(deadline), what):
@@ -165,6 +186,10 @@ class KVPuller:
 
     async def close(self) -> None:
         self._closed = True
+        if self._keeping is not None:
+            self._keeping.cancel()
+            await asyncio.gather(self._keeping, return_exceptions=True)
+        await self.keeper.close()
         await self.peers.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 

@@ -4,16 +4,19 @@ Owns meeting a source: connect, CHALLENGE / HELLO / WELCOME, PAIR / PAIR_READY, 
 the pair (for nccl, the communicator's init). This is set-up work, never a transfer's: `meet` runs
 it as a task of its own, bounded by ``pair_timeout_s`` and by no request's deadline.
 
-When a decode replica meets a source: as soon as it learns the source's control address. A replica
-told its prefill peers at start-up (`KVPuller.meet`) has every pair ready before the first request;
-otherwise the first handle naming a new source is where its address is learned, and that starts the
-meeting in the background while the pull waits for it within its own deadline (a pull whose
-deadline passes first fails with `TransferTimeout` saying the pair is still being set up; the
-meeting goes on and the next pull finds the pair).
+When a decode replica meets a source: as soon as it learns the source's control address. In a
+cluster that is at start-up and whenever the prefill pool changes: the keeper (`keeper.py`, fed the
+pool's sources from the prefill replicas' load reports) meets every source before a request names
+it, and forgets (`forget`) a source that left the pool. A source not met yet (a replica newer than
+the last poll, or no keeper) is met when the first handle naming it arrives: the meeting starts in
+the background while the pull waits for it within its own deadline (a pull whose deadline passes
+first fails with `TransferTimeout` saying the pair is still being set up; the meeting goes on and
+the next pull finds the pair).
 
 Invariants: at most one meeting per source at a time; a connection in the table always has an open
-pair; a pair lives until the peer closes the connection or dies (TCP keepalive), or a failure ends
-it (`drop`): never torn down for idling; every wait has a deadline; the event loop never blocks
+pair; a pair lives until the peer closes the connection or dies (TCP keepalive), a failure ends it
+(`drop`), or its source leaves the pool (`forget`, after the transfer on it): never torn down for
+idling; every wait has a deadline; the event loop never blocks
 (opening and closing a pair run in the executor).
 """
 
@@ -74,6 +77,14 @@ class Peers:
     def paired(self, source: Source) -> Conn | None:
         conn = self._conns.get(source)
         return conn if conn is not None and conn.healthy() else None
+
+    def is_meeting(self, source: Source) -> bool:
+        task = self._meetings.get(source)
+        return task is not None and not task.done()
+
+    def sources(self) -> list[Source]:
+        """The sources with a healthy pair now."""
+        return [s for s in self._conns if self.paired(s) is not None]
 
     def meeting(self, source: Source) -> asyncio.Task[None]:
         """The meeting with ``source``: the one under way or done, or a new one if none holds a pair."""
@@ -185,6 +196,25 @@ class Peers:
         if transport is not None:
             with contextlib.suppress(Exception):
                 await run_bounded(self._executor, self.config.close_timeout_s, "closing a pair", transport.close)
+
+    async def forget(self, source: Source) -> None:
+        """Close the pair with a source that left the pool: after the transfer on it (bounded), if any."""
+        task = self._meetings.pop(source, None)
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        lock = self._locks.get(source)
+        try:
+            if lock is not None:
+                await asyncio.wait_for(lock.acquire(), self.config.pair_timeout_s)
+        except asyncio.TimeoutError:
+            lock = None  # a transfer outlived its own deadline: close under it
+        try:
+            await self.drop(source)
+        finally:
+            if lock is not None:
+                lock.release()
+        log.info("KV puller: forgot %s (it left the prefill pool)", source)
 
     async def close(self) -> None:
         meetings = list(self._meetings.values())

@@ -2,7 +2,8 @@
 
 Owns: building one replica's pieces from a `PrefillWorkerConfig` (on `engine.replica.ReplicaShell`'s
 engine: the outbox, the KV source that serves pulls, the worker) and exposing them to the router:
-``prefill``, ``load``, ``ready``, ``stats``. All serving logic is in `prefill_worker.worker`; all
+``prefill``, ``load`` (its load report carries the KV source's address: decode replicas meet it
+from there, before any request), ``ready``, ``stats``. All serving logic is in `prefill_worker.worker`; all
 transfer logic in `kv_transfer`.
 
 Invariants: the replica reports ready only after the model is loaded, has run its warm-up forward
@@ -82,7 +83,9 @@ class PrefillServer(ReplicaShell):
 
     async def load(self) -> LoadReport:
         worker = await self._ensure_started()
-        return self.with_readiness(worker.load_report(), outbox_pending=self.outbox.pending())
+        host, port = self.source.address if self.source.listening else ("", 0)  # stopped: no source to meet
+        return self.with_readiness(worker.load_report(), outbox_pending=self.outbox.pending(),
+                                   kv_host=host, kv_port=port)
 
     async def stats(self) -> dict[str, Any]:
         """Books for tests and dashboards: pool, outbox and source counters."""

@@ -1,13 +1,13 @@
 """The latest load report of every replica, as seen by this process's deployment handles.
 
-Owns: the process-local board the Serve request router (`router.replica_router`) writes each time
-Serve hands it fresh replica info, and the conversion between `LoadReport` and the plain dict a
-replica's ``record_routing_stats`` returns.
+Owns: the conversion between `LoadReport` and the plain dict a replica's ``record_routing_stats``
+returns, and the router's door to the process-local board the Serve request router
+(`router.replica_router`) writes each time Serve hands it fresh replica info (`publish`, `snapshot`,
+`deployments`: the board itself lives in `engine.load_report`, where decode replicas read the prefill
+pool's reports too without importing the router).
 
-Invariants: the board is written from the handle's routing loop (a thread of its own) and read from
-the HTTP loop, so each deployment's reports are replaced as one new dict, never mutated in place;
-a replica Serve no longer lists disappears from the board at the next update. This module must stay
-importable by reference (the request router class is shipped by value and finds the board here).
+Invariants: as the board's (see `engine.load_report`). This module must stay importable by
+reference (the request router class is shipped by value and finds the board through it).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from engine.load_report import LoadReport
+from engine.load_report import LoadReport, deployments, publish, snapshot
 
-_board: dict[str, Mapping[str, LoadReport]] = {}
+__all__ = ["deployments", "publish", "report_to_stats", "snapshot", "stats_to_report"]
 
 _FIELDS = {f.name for f in dataclasses.fields(LoadReport)}
 
@@ -35,17 +35,3 @@ def stats_to_report(replica_id: str, stats: Mapping[str, Any], role: str = "") -
     values.update((k, v) for k, v in stats.items() if k in _FIELDS)
     values["replica_id"] = replica_id
     return LoadReport(**values)
-
-
-def publish(deployment: str, reports: Mapping[str, LoadReport]) -> None:
-    """Replace the reports of one deployment (keyed by Serve replica id)."""
-    _board[deployment] = dict(reports)
-
-
-def snapshot(deployment: str) -> dict[str, LoadReport]:
-    """The latest reports of one deployment (empty before its handle first routed anything)."""
-    return dict(_board.get(deployment, {}))
-
-
-def deployments() -> list[str]:
-    return sorted(_board)

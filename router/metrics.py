@@ -58,6 +58,11 @@ class LoadReportCollector(Collector):
                                        "the GIL, a busy core).", labels=["replica", "role"])
         step_seqs = CounterMetricFamily("pdserve:engine_step_sequences", "Sequences decoded in a decode replica's "
                                         "steps (mean batch: divide by engine_steps).", labels=["replica", "role"])
+        pairs = GaugeMetricFamily("pdserve:kv_pairs", "Prefill KV sources a decode replica is paired with now.",
+                                  labels=["replica", "role"])
+        unpaired = CounterMetricFamily("pdserve:kv_pulls_unpaired", "Pulls on a decode replica that found no pair "
+                                       "with their source and waited for a meeting inside the request.",
+                                       labels=["replica", "role"])
         for deployment in self._deployments:
             for rid, r in sorted(loadboard.snapshot(deployment).items()):
                 labels = [rid, r.role or deployment]
@@ -72,7 +77,10 @@ class LoadReportCollector(Collector):
                     step_s.add_metric(labels, r.step_seconds)
                     step_seqs.add_metric(labels, r.step_sequences)
                     step_cpu.add_metric(labels, r.step_cpu_seconds)
-        yield from (running, waiting, used, free, outbox, steps, step_s, step_cpu, step_seqs)
+                    if r.role == "decode":
+                        pairs.add_metric(labels, r.kv_pairs)
+                        unpaired.add_metric(labels, r.kv_pulls_unpaired)
+        yield from (running, waiting, used, free, outbox, steps, step_s, step_cpu, step_seqs, pairs, unpaired)
 
 
 class RouterMetrics:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cluster.cli import main
-from cluster.config import ClusterConfig, ConfigError, Environment
+from cluster.config import PREFILL_DEPLOYMENT, ClusterConfig, ConfigError, Environment
 from cluster.serve_yaml import application_args
 from engine.config import EngineConfig, auto_dtype, checkpoint_dtype, fast_dtype
 from engine.engine import log_dtype
@@ -29,6 +29,7 @@ def test_local_yaml() -> None:
     assert p.engine.device == "cpu" and p.kv.transport == "gloo"
     assert p.engine.num_blocks == 256 and d.engine.num_blocks == 512 and d.mode == "disaggregated"
     assert p.kv.secret and p.kv.secret == d.kv.secret
+    assert d.prefill_deployment == PREFILL_DEPLOYMENT  # decode replicas meet the pool's KV sources at start-up
     assert r.served_model_name == "smollm2-135m-instruct" and r.mode == "disaggregated" and r.api_keys == ()
     assert r.max_model_len == 4096 == p.engine.max_model_len
     assert cfg.total_cpus() <= 2
@@ -100,6 +101,7 @@ def test_colocated_yaml() -> None:
     cfg = ClusterConfig.from_yaml(DEPLOY / "local-colocated.yaml", NO_ENV)
     d = cfg.decode_worker_config()
     assert cfg.mode == "colocated" and d.mode == "colocated" and d.prefill_chunk_size == 512
+    assert d.prefill_deployment is None
     assert cfg.router_config().mode == "colocated" and cfg.decode_policy() == "prefix_affinity"
     assert "prefill" not in cfg.redacted()
 

@@ -4,6 +4,7 @@ from the prefill node to the decode node over gloo, and greedy HTTP outputs equa
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import pytest
@@ -55,7 +56,14 @@ def test_greedy_over_http_equals_reference_with_kv_over_gloo_between_nodes(deplo
     from ray import serve
 
     prefill = serve.get_deployment_handle("prefill", app_name=APP)
+    decode = serve.get_deployment_handle("decode", app_name=APP)
     before = prefill.stats.remote().result()["source"]
+    # the decode replica meets the prefill replica's KV source from its load report, before any request
+    deadline = time.monotonic() + 30
+    while (kv := decode.stats.remote().result())["kv_sources"]["paired"] < 1:
+        assert time.monotonic() < deadline, kv
+        time.sleep(0.2)
+    unpaired = kv["kv_pulls_unpaired"]
     ref_engine = Engine.from_dir(deployed.model, EngineConfig(num_blocks=64))
     tok = Tokenizer.from_dir(deployed.model)
     rng = random.Random(11)
@@ -66,6 +74,9 @@ def test_greedy_over_http_equals_reference_with_kv_over_gloo_between_nodes(deplo
         assert got["logprobs"]["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in ref]
         assert got["text"] == tok.decode(ref)
     after = prefill.stats.remote().result()["source"]
+    kv = decode.stats.remote().result()
+    assert kv["kv_sources"] == {"listed": 1, "paired": 1, "meeting": 0, "failing": 0}, kv
+    assert kv["kv_pulls_unpaired"] == unpaired  # every pull found its pair up: none was met inside a request
     assert after["transfers"] - before["transfers"] == 3, (before, after)  # every request's KV was pulled
     assert after["bytes_sent"] > before["bytes_sent"] and after["failed"] == before["failed"]
     assert after["host"] == "127.0.0.1"  # kv.host: the control channel and gloo bind loopback here

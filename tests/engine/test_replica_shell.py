@@ -62,8 +62,10 @@ async def test_a_prefill_replica_hands_off_then_drains(chat_model: Path) -> None
     assert stats["outbox_pending"] == 1 and stats["kv_blocks_used"] == result.handle.n_blocks
     report = await server.load()
     assert report.ready and report.outbox_pending == 1
+    assert report.kv_source == result.handle.source  # where decode replicas meet it, before any request
     await server.shutdown(drain_timeout_s=0.2)  # nobody pulls: what the outbox holds is released
-    assert not await server.ready() and not (await server.load()).ready
+    assert not await server.ready() and not (report := await server.load()).ready
+    assert report.kv_source is None  # the source stopped: nothing left to meet
     assert (await server.stats())["kv_blocks_used"] == 0
     with pytest.raises(QueueFullError, match="this prefill replica is draining"):
         await server.prefill(PrefillRequest("r2", PROMPT, PARAMS))

@@ -22,3 +22,14 @@ def test_step_counters_come_from_decode_reports_only() -> None:
     assert 'pdserve:engine_step_sequences_total{replica="d1",role="decode"} 120.0' in text
     assert 'pdserve:kv_outbox_pending{replica="p1",role="prefill"} 2.0' in text
     assert 'engine_steps_total{replica="p1"' not in text
+
+
+def test_kv_pairs_and_unpaired_pulls_come_from_decode_reports() -> None:
+    decode = LoadReport("d2", "decode", 0, 0, 0, 10, 20, kv_pairs=3, kv_pulls_unpaired=1)
+    prefill = LoadReport("p2", "prefill", 0, 0, 0, 5, 20, kv_host="10.0.0.2", kv_port=5000)
+    loadboard.publish("decode-kv", {"d2": decode})
+    loadboard.publish("prefill-kv", {"p2": prefill})
+    text = generate_latest(RouterMetrics(["decode-kv", "prefill-kv"]).registry).decode()
+    assert 'pdserve:kv_pairs{replica="d2",role="decode"} 3.0' in text
+    assert 'pdserve:kv_pulls_unpaired_total{replica="d2",role="decode"} 1.0' in text
+    assert 'kv_pairs{replica="p2"' not in text
