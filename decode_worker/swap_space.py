@@ -12,8 +12,11 @@ ids on both sides; slots are handed out lowest first, so a sequence's slots are 
 
 Invariants: a slot belongs to at most one sequence; ``num_free + sum of held slots == num_blocks``;
 the scheduler's ``max_swap_blocks`` accounting guarantees a swap-out finds its slots, and a shortfall
-is an error, never a silent loss. Copies are queued on the device's current stream: a swap-in, and
-a swap-out that reuses its slots later, run in the order they were issued, so nothing waits on the host.
+is an error, never a silent loss. Copies are queued on the device's current stream (the default
+stream, in the event loop's thread as in the model thread's): a swap-in, and a swap-out that reuses
+its slots later, run in the order they were issued, and so do the copies and any later step that
+writes the blocks a swap-out read. Ordering is the stream's alone: nothing here waits on the device,
+so a swap may run on the event loop.
 """
 
 from __future__ import annotations

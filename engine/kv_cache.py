@@ -9,6 +9,12 @@ Invariants: block ``b`` of layer ``l`` is ``k[l][b]`` / ``v[l][b]``; a token at 
 sequence with block table ``bt`` lives at ``bt[p // block_size]``, row ``p % block_size``. The cache
 knows nothing of which blocks are in use: that is `engine.block_pool.BlockPool`'s job. Every
 layer's K and V are contiguous views of one zeroed buffer, on huge pages where the OS gives them.
+The copy helpers never wait on the device: a block index goes over by `engine.device_copy.host_tensor`
+(pinned, non-blocking), copies to or from pinned host memory are non-blocking, and every copy is
+queued on the current stream, so it runs after the work queued before it and before the work queued
+after it (a block freed after a copy and handed to a later step is written only after the copy read
+it). A caller that reads a non-blocking copy's host buffer on the host must first wait for the stream
+itself, off the event loop.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_copy import host_tensor
 from engine.kernels.huge_pages import huge_zeros
 from engine.model.config import ModelConfig
 
@@ -83,7 +90,7 @@ class KVCache:
         only after the device's stream has caught up).
         """
         if out is None:
-            idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+            idx = host_tensor(list(block_ids), self.device)  # [n]
             new = torch.empty(
                 (self.num_layers, 2, len(block_ids), *self.block_shape), dtype=self.dtype, device=self.device
             )
@@ -104,7 +111,7 @@ class KVCache:
         """Inverse of `gather_blocks`: block ``block_ids[i]`` of every layer gets ``data[:, :, slots[i]]``
         (``slots`` by default ``0 .. n - 1``); ``data`` may live on another device (host swap space)."""
         if slots is None and data.device == self.device:
-            idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+            idx = host_tensor(list(block_ids), self.device)  # [n]
             for layer in range(self.num_layers):
                 self.k[layer].index_copy_(0, idx, data[layer, 0])
                 self.v[layer].index_copy_(0, idx, data[layer, 1])

@@ -7,7 +7,9 @@ Workers describe *what* to run with `PrefillChunk` / `DecodeSeq`; this module de
 Invariants: a block table must cover every position it is asked to write (checked, with a clear
 error); the runner never allocates or frees blocks — that is the caller's `BlockPool`. Everything a
 step's layers share (slots, block tables, the decode mask) is built here once per step, in Python
-lists turned into tensors in one call each, never per layer.
+lists packed into one host tensor and sent to the device in one pinned, non-blocking copy
+(`engine.device_copy`): building a step never waits for the device, and the batch's tensors are views
+of that one copy. Never per layer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import DecodeBatch, PrefillBatch
+from engine.device_copy import host_tensor
 from engine.kv_cache import KVCache
 from engine.model.model import LlamaModel
 from engine.sampling.prompt_logprobs import PromptLogprobs, ScoreAsk, score_rows
@@ -101,7 +104,7 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        tables: list[torch.Tensor] = []
+        tables: list[list[int]] = []
         seq_lens: list[int] = []
         prompt_lens: list[int] = []
         starts: list[int] = []
@@ -117,27 +120,30 @@ class ModelRunner:
             table = list(c.block_table[:need])
             positions.extend(range(c.start_pos, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c.start_pos, end))
-            tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
+            tables.append(table)
             tokens.extend(c.token_ids)
             seq_lens.append(n)
             prompt_lens.append(end if c.prompt_len is None else c.prompt_len)
             starts.append(c.start_pos)
             last_rows.append(len(tokens) - 1)
         total = len(tokens)
+        token_ids, pos, slot_t, last, *table_ts = self._send(tokens, positions, slots, last_rows, *tables)
         return PrefillBatch(
-            token_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+            token_ids=token_ids,
+            positions=pos,
+            slots=slot_t,
             seq_lens=seq_lens,
             prompt_lens=prompt_lens,
             start_positions=starts,
-            block_tables=tables,
-            logits_index=(
-                torch.arange(total, device=self.device)
-                if all_logits
-                else torch.tensor(last_rows, dtype=torch.long, device=self.device)
-            ),
+            block_tables=table_ts,
+            logits_index=torch.arange(total, device=self.device) if all_logits else last,
         )
+
+    def _send(self, *rows: Sequence[int]) -> list[torch.Tensor]:
+        """Int lists → int64 tensors on the device: one host tensor, one pinned non-blocking copy, and
+        a view of it per list (`engine.device_copy.host_tensor`)."""
+        flat = host_tensor([v for row in rows for v in row], self.device)  # [sum of lens]
+        return list(flat.split([len(row) for row in rows]))
 
     def decode(self, seqs: Sequence[DecodeSeq]) -> torch.Tensor:
         """One decode step for every sequence. Returns fp32 logits ``[len(seqs), vocab]``.
@@ -152,11 +158,10 @@ class ModelRunner:
         if redo is not None and any(s.position == redo for s in seqs):
             return self._decode_recomputing(seqs, redo)
         logits, order = self._decode_sorted(seqs)  # [B, vocab], sorted rows
-        inverse = torch.empty(len(order), dtype=torch.long, device=logits.device)
-        inverse[torch.tensor(order, dtype=torch.long, device=logits.device)] = torch.arange(
-            len(order), device=logits.device
-        )
-        return logits[inverse]
+        inverse = [0] * len(order)
+        for row, i in enumerate(order):
+            inverse[i] = row
+        return logits[host_tensor(inverse, logits.device)]
 
     def _decode_recomputing(self, seqs: Sequence[DecodeSeq], redo: int) -> torch.Tensor:
         """A step in which the rows at position ``redo`` run as a prefill of their whole sequence
@@ -172,9 +177,9 @@ class ModelRunner:
                                  f"{redo} tokens before it as history, got {got}")
             chunks.append(PrefillChunk([*s.history, s.token_id], 0, s.block_table))
         out = torch.empty(len(seqs), self.model.cfg.vocab_size, device=self.device)  # [B, vocab]
-        out[whole] = self.prefill(chunks)
+        out[host_tensor(whole, self.device)] = self.prefill(chunks)
         if rest:
-            out[rest] = self.decode([seqs[i] for i in rest])
+            out[host_tensor(rest, self.device)] = self.decode([seqs[i] for i in rest])
         return out
 
     @torch.inference_mode()  # the step's tensors match the model's (a compiled kernel's guards read it)
@@ -189,11 +194,13 @@ class ModelRunner:
         rows = [[*s.block_table[:need], *([0] * (n_blocks - need))] for s, need in zip(seqs, needs, strict=True)]
         pos_list = [s.position for s in seqs]
         slots = [row[p // bs] * bs + p % bs for row, p in zip(rows, pos_list, strict=True)]
+        token_ids, positions, slot_t, table = self._send([s.token_id for s in seqs], pos_list, slots,
+                                                         [b for row in rows for b in row])
         batch = DecodeBatch(
-            token_ids=torch.tensor([s.token_id for s in seqs], dtype=torch.long, device=self.device),
-            positions=torch.tensor(pos_list, dtype=torch.long, device=self.device),
-            slots=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_table=torch.tensor(rows, dtype=torch.long, device=self.device),  # [B, n_blocks]
+            token_ids=token_ids,  # [B]
+            positions=positions,  # [B]
+            slots=slot_t,  # [B]
+            block_table=table.view(len(seqs), n_blocks),  # [B, n_blocks]
             context_lens=[p + 1 for p in pos_list],
             row_blocks=needs,
         )

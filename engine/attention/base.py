@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 from engine.batch import DecodeBatch, PrefillBatch
+from engine.device_copy import send
 from engine.kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -85,8 +86,8 @@ def prefill_call_lengths(spec: AttentionSpec, batch: PrefillBatch) -> torch.Tens
     transformers' one prefill call), else None."""
     if not spec.length_dependent:
         return None
-    return torch.repeat_interleave(torch.tensor(batch.prompt_lens, device=spec.device),
-                                   torch.tensor(batch.seq_lens, device=spec.device))
+    lens = torch.repeat_interleave(torch.tensor(batch.prompt_lens), torch.tensor(batch.seq_lens))  # [T]
+    return send(lens, spec.device)
 
 
 def decode_call_lengths(spec: AttentionSpec, batch: DecodeBatch) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.batch import DecodeBatch
+from engine.device_copy import send
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -81,7 +82,7 @@ class DecodeGraphs:
 
     def load(self, batch: DecodeBatch, rung: int) -> None:
         """Copy ``batch`` into the static buffers, padded to ``rung`` rows and the fixed table width."""
-        rows = padded_rows(batch.batch, rung).to(self.token_ids.device)
+        rows = send(padded_rows(batch.batch, rung), self.token_ids.device)  # [rung]
         self.token_ids[:rung].copy_(batch.token_ids[rows])
         self.positions[:rung].copy_(batch.positions[rows])
         self.slots[:rung].copy_(batch.slots[rows])

@@ -1,8 +1,8 @@
 """FlexAttention block masks over the paged KV cache, built from block tables and lengths.
 
 Owns: `PagedMasks` (one step's masks: one `BlockMask` per window of the model's layers),
-`decode_masks` and `prefill_masks` (their builders), `physical_to_logical`, `softcap_score_mod` and
-`to_device` (host-planned metadata onto the device without a sync).
+`decode_masks` and `prefill_masks` (their builders), `physical_to_logical` and `softcap_score_mod`.
+Host-planned metadata reaches the device through `engine.device_copy.send` (no sync).
 
 Layout: a layer's cache ``[NB, bs, KV, D]`` is read in place as flex's key and value
 ``[1, KV, NB * bs, D]`` (a strided view, broadcast over flex's batch), so kv index ``n`` is cache
@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.device_copy import send
+
 if TYPE_CHECKING:  # imported where used: a torch without FlexAttention still imports this module
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -48,13 +50,6 @@ class PagedMasks:
     """One step's block masks, keyed by layer window (None: full causal)."""
 
     masks: dict[int | None, BlockMask]
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host-built tensor on ``device``; to CUDA through pinned memory, without waiting on the stream."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def physical_to_logical(block_table: torch.Tensor, num_blocks: torch.Tensor, total_blocks: int) -> torch.Tensor:
@@ -127,8 +122,8 @@ def prefill_masks(block_tables: Sequence[torch.Tensor], positions: torch.Tensor,
     ends = [s + n for s, n in zip(start_positions, seq_lens, strict=True)]
     nblocks = [-(-e // block_size) for e in ends]
     table = torch.nn.utils.rnn.pad_sequence(list(block_tables), batch_first=True)  # [S, M]
-    p2l = physical_to_logical(table, to_device(torch.tensor(nblocks), dev), total_blocks)
-    row = to_device(torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(list(seq_lens))), dev)  # [T]
+    p2l = physical_to_logical(table, send(torch.tensor(nblocks), dev), total_blocks)
+    row = send(torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(list(seq_lens))), dev)  # [T]
     masks = {}
     for window in windows:
         kv_num, kv = _tile_blocks(table, _segments(seq_lens, start_positions, block_size, window), total_blocks)
@@ -160,7 +155,7 @@ def _tile_blocks(table: torch.Tensor, tiles: list[list[tuple[int, int, int]]],
     dev, width = table.device, table.shape[1]
     k = max(len(t) for t in tiles)
     pad = [(0, 1, 0)] * k  # an empty range (first > last)
-    seg = to_device(torch.tensor([t + pad[len(t):] for t in tiles]), dev)  # [NQ, K, 3]
+    seg = send(torch.tensor([t + pad[len(t):] for t in tiles]), dev)  # [NQ, K, 3]
     cols = torch.arange(width, device=dev)
     inside = (cols >= seg[..., 1:2]) & (cols <= seg[..., 2:3])  # [NQ, K, W]
     cand = torch.where(inside, table[seg[..., 0]].int(), total_blocks).flatten(1)  # [NQ, K * W], NB: none

@@ -42,10 +42,10 @@ from engine.attention.flex_meta import (
     decode_masks,
     prefill_masks,
     softcap_score_mod,
-    to_device,
 )
 from engine.attention.ops import write_kv
 from engine.batch import DecodeBatch, PrefillBatch
+from engine.device_copy import send
 from engine.kv_cache import KVCache
 from engine.model.rope import rotate_rolled
 
@@ -118,11 +118,11 @@ class TorchBackend(AttentionBackend):
         lens = None
         dev = batch.positions.device
         if self.spec.length_dependent:
-            lens = to_device(torch.tensor(batch.prompt_lens).repeat_interleave(torch.tensor(batch.seq_lens)), dev)
+            lens = send(torch.tensor(batch.prompt_lens).repeat_interleave(torch.tensor(batch.seq_lens)), dev)
         fresh = batch.fresh and (self.varlen is not None or self.spec.device.type == "cpu")
         cu = None
         if fresh and self.varlen is not None:
-            cu = to_device(torch.tensor([0, *batch.seq_lens]).cumsum(0, dtype=torch.int32), dev)
+            cu = send(torch.tensor([0, *batch.seq_lens]).cumsum(0, dtype=torch.int32), dev)
         needs_flex = not fresh or self.spec.windowed or self.spec.softcapped
         paged = prefill_masks(batch.block_tables, batch.positions, batch.seq_lens, batch.start_positions,
                               cache.block_size, cache.num_blocks, self.windows) if needs_flex else None

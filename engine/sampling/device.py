@@ -28,7 +28,7 @@ Invariants: the host reads nothing computed from the logits except in `fetch`, o
 (ids, log-probs and the top alternatives packed into one float64 tensor: ids below 2**53 are exact);
 no op has a shape that depends on values (no boolean indexing, no ``nonzero``), so nothing else
 waits on the device; host metadata (per-row parameters and uniforms, bias and penalty entries,
-mask bits) reaches the device by `engine.sampling.stages.send`. A row's cut and draw read that row alone.
+mask bits) reaches the device by `engine.device_copy.send`. A row's cut and draw read that row alone.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.device_copy import send
 from engine.sampling.grammar import GrammarMatcher, mask_words
-from engine.sampling.stages import Sampled, bias_and_min_tokens, penalties, send, uniforms
+from engine.sampling.stages import Sampled, bias_and_min_tokens, penalties, uniforms
 
 if TYPE_CHECKING:
     from engine.sampling.draw import Truncation

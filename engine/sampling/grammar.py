@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.device_copy import send
 from engine.errors import missing_dependency
 
 if TYPE_CHECKING:
@@ -229,9 +230,9 @@ def mask_logits(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> 
     if not rows:
         return logits
     live = [m for m in matchers if m is not None and m.live]
-    allowed = torch.from_numpy(allowed_tokens(live, logits.shape[1])).to(logits.device)  # [b, V]
+    allowed = send(torch.from_numpy(allowed_tokens(live, logits.shape[1])), logits.device)  # [b, V]
     if len(rows) == logits.shape[0]:  # every row under a grammar: no gather and scatter of rows
         return logits.masked_fill(~allowed, float("-inf"))
-    index = torch.tensor(rows, device=logits.device)
+    index = send(torch.tensor(rows), logits.device)  # [b]
     sub = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))  # [b, V]
     return logits.index_copy(0, index, sub)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_copy import host_tensor
 from engine.sampling.sampler import MAX_TOP_LOGPROBS
 
 #: rows of the lm_head and log-softmax computed at once: bounds the ``[rows, vocab]`` fp32 block
@@ -63,7 +64,7 @@ def score_rows(logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Ten
     n = len(ask.targets)
     if n > hidden.shape[0]:
         raise ValueError(f"{n} targets for a chunk of {hidden.shape[0]} rows")
-    targets = torch.tensor(ask.targets, dtype=torch.long, device=hidden.device)  # [n]
+    targets = host_tensor(ask.targets, hidden.device)  # [n]
     own: list[float] = []
     ranks: list[int] = []
     top_ids: list[tuple[int, ...]] = []

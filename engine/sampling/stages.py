@@ -1,7 +1,7 @@
 """What the two sampling paths share: the step's result type, its logit adjustments and its uniforms.
 
-Owns: `Sampled` (a step's chosen ids, their log-probs and the most likely alternatives), `send`
-(host metadata → the logits' device), `bias_and_min_tokens` and `penalties` (stages 1 and 2 of
+Owns: `Sampled` (a step's chosen ids, their log-probs and the most likely alternatives),
+`bias_and_min_tokens` and `penalties` (stages 1 and 2 of
 `engine.sampling.sampler`'s pipeline, a scatter over only the ids a row names), and `uniforms`
 (each sampled row's one number of the draw).
 
@@ -9,10 +9,9 @@ Both the host path (`engine.sampling.sampler.sample`, numpy after these stages) 
 (`engine.sampling.device`) call the same functions here, so a logit is adjusted by the same
 arithmetic wherever the logits live, and a row's uniform is the same number either way.
 
-Invariants: host metadata reaches a device only through `send`: pinned, then copied without
-blocking the host (the copy is ordered before every later kernel on the stream, and torch's pinned
-allocator keeps the buffer until the copy is done), so building a step's metadata never waits for
-the device. On the CPU `send` returns its tensor, so the host path's numbers are unchanged.
+Invariants: host metadata reaches a device only through `engine.device_copy.send` (pinned, copied
+without blocking the host), so building a step's metadata never waits for the device. On the CPU
+`send` returns its tensor, so the host path's numbers are unchanged.
 A uniform is drawn on the host in both paths: a seeded row's from its own generator seeded from
 ``(seed, step)``, so its text depends on the seed alone, not on where the logits were.
 """
@@ -24,6 +23,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
+
+from engine.device_copy import send
 
 if TYPE_CHECKING:
     from engine.sampling.params import PenaltyBook, SamplerState
@@ -39,16 +40,6 @@ class Sampled(NamedTuple):
     def rows(self, start: int, stop: int) -> Sampled:
         """Rows ``start:stop`` of the step (one caller's part of a batch it shared)."""
         return Sampled(self.token_ids[start:stop], self.logprobs[start:stop], self.top[start:stop])
-
-
-def send(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """t: a host tensor → the same values on ``device`` (t itself on the CPU), by a pinned
-    non-blocking copy on CUDA: the host goes on at once, the stream runs the copy in order."""
-    if device.type == "cpu":
-        return t
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 def bias_and_min_tokens(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:

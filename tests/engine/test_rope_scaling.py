@@ -5,7 +5,8 @@ transformers picks these tables per forward call from the call's length (`engine
 prompts here are shorter than, as long as and longer than the threshold (32 tokens), and the decoding
 crosses it, so every table is used, in one-shot, chunked and batched prefills, after a reused prefix
 and in batched decode steps that mix sequences on both sides of it. Each engine path runs: the
-native RoPE + store (and the one-call decode step), the eager fast path and the reference path.
+native RoPE + store (and the one-call decode step), the eager fast path, the reference path and the
+torch backend (FlexAttention over the paged cache, eager on a CPU: the code a GPU runs compiled).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0},
                                 "max_position_embeddings": THRESHOLD}),
 }
-PATHS = ("native", "eager", "reference")  # cpu backend: native RoPE + store, or eager; the reference backend
+#: cpu backend: native RoPE + store, or eager; the reference backend; the torch backend
+PATHS = ("native", "eager", "reference", "torch")
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -63,8 +65,11 @@ def hf(model_dir: tuple[str, Path]) -> Any:
 
 
 def engine(path: Path, mode: str) -> Engine:
-    backend = "reference" if mode == "reference" else "cpu"
-    eng = Engine.from_dir(path, EngineConfig(num_blocks=64, block_size=8, backend=backend))
+    backend = mode if mode in ("reference", "torch") else "cpu"
+    # eager flex reads every cache slot: the torch backend gets the blocks the three prompts need (31)
+    eng = Engine.from_dir(path, EngineConfig(num_blocks=32 if mode == "torch" else 64, block_size=8,
+                                             backend=backend))
+    assert eng.runner.model.attention.name == backend
     if mode == "eager":
         eng.runner.model.attention.native_rope, eng.runner.model.attention.native_step = False, None
     return eng
