@@ -53,7 +53,8 @@ from tests.support.kv_procs import GetStats, Offer, Offered, Proc, PullAll, Sour
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 LAYOUT = KVLayout(arch="llama", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=16)
-HANDSHAKE_S = 2.0
+# long enough that a peer on two busy cores always answers inside it (only the silent-peer test waits it out)
+HANDSHAKE_S = 5.0
 MAX_CONNECTIONS = 32
 CONFIG = SourceConfig(host="127.0.0.1", handshake_timeout_s=HANDSHAKE_S, io_timeout_s=2.0, idle_timeout_s=4.0,
                       transfer_timeout_s=10.0, max_connections=MAX_CONNECTIONS)
