@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from cluster.config import PREFILL_CPU_BLOCKS, ClusterConfig, Environment
+from cluster.config import PREFILL_CPU_BLOCKS, PREFILL_DEPLOYMENT, ClusterConfig, Environment
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.scheduler import SchedulerConfig
 from engine.config import EngineConfig, fast_dtype
@@ -41,7 +41,8 @@ def test_an_empty_yaml_builds_the_workers_default_configs() -> None:
     # the KV secret is drawn per cluster; a prefill replica holds blocks only until they are pulled
     # (on a CPU without bf16 arithmetic, auto is fp32 too: no difference then); each pool's largest
     # step (profiled where a KV budget applies) is what its worker runs at most, and its KV budget
-    # holds back the transfers' staging memory
+    # holds back the transfers' staging memory; a disaggregated decode replica watches the prefill
+    # deployment's KV sources (a bare DecodeWorkerConfig watches none)
     engine = {"engine.dtype": (fast_dtype("cpu"), "float32")} if fast_dtype("cpu") != "float32" else {}
     engine["engine.reserved_memory"] = (KVTransferConfig().max_inflight_bytes, 0)
     kv = {"kv.secret": (secret, "")}
@@ -49,7 +50,8 @@ def test_an_empty_yaml_builds_the_workers_default_configs() -> None:
         **engine, **kv, "engine.num_blocks": (PREFILL_CPU_BLOCKS, EngineConfig().num_blocks),
         "engine.max_step_tokens": (PrefillWorkerConfig().max_batch_tokens, None)}
     assert _differences(cfg.decode_worker_config(), DecodeWorkerConfig()) == {
-        **engine, **kv, "engine.max_step_tokens": (EngineConfig().max_num_seqs, None)}
+        **engine, **kv, "engine.max_step_tokens": (EngineConfig().max_num_seqs, None),
+        "prefill_deployment": (PREFILL_DEPLOYMENT, None)}
 
 
 def test_an_empty_yaml_builds_the_routers_default_config() -> None:
