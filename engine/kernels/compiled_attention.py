@@ -67,7 +67,7 @@ def compiled_paged_attention(
     Batch, block count and cache size are marked dynamic, so one graph serves every step (and
     `engine.Engine` compiles it at load against its own cache, never mid-stream). Sizes of 1 would be
     specialized: a single block is padded with a masked duplicate, and a batch of 1 is the caller's
-    to avoid (`attention.paged_decode_attention` runs batch 1 eagerly). Guards also key on strides
+    to avoid (`engine.kernels.gathered_decode.paged_decode_attention` runs batch 1 eagerly). Guards also key on strides
     and inference-mode-ness: ``q`` is made contiguous, and the runner builds its step tensors in
     inference mode, as the model builds ``q``.
     """

@@ -41,7 +41,7 @@ import torch
 
 from engine.device_copy import send
 from engine.sampling.grammar import GrammarMatcher, mask_words
-from engine.sampling.stages import Sampled, bias_and_min_tokens, penalties, uniforms
+from engine.sampling.stages import Sampled, adjusted, uniforms
 
 if TYPE_CHECKING:
     from engine.sampling.draw import Truncation
@@ -54,13 +54,7 @@ def choose(logits: torch.Tensor, states: Sequence[SamplerState]) -> Sampled:
     B = raw.shape[0]
     dev = raw.device
     params = [st.params for st in states]
-    x = raw
-    if any(p.logit_bias or st.step < p.min_tokens for p, st in zip(params, states, strict=True)):
-        x = bias_and_min_tokens(x, states)
-    if any(st.grammar is not None for st in states):
-        x = grammar_mask(x, [st.grammar for st in states])
-    if any(p.repetition_penalty != 1.0 or p.counts_output for p in params):
-        x = penalties(x, states)
+    x = adjusted(raw, states, grammar_mask)
     hot = [i for i, p in enumerate(params) if not p.greedy]
     if len(hot) == B:
         ids = _draw(x, params, uniforms(states))  # [B]

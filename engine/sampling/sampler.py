@@ -54,7 +54,7 @@ from engine.sampling.params import (
     SamplingDefaults,
     SamplingParams,
 )
-from engine.sampling.stages import Sampled, TopLogprobs, bias_and_min_tokens, penalties, uniforms
+from engine.sampling.stages import Sampled, TopLogprobs, adjusted, bias_and_min_tokens, penalties, uniforms
 
 __all__ = ["MAX_TOP_LOGPROBS", "PenaltyBook", "Sampled", "SamplerState", "SamplingDefaults", "SamplingParams",
            "TopLogprobs", "bias_and_min_tokens", "penalties", "sample"]
@@ -88,13 +88,7 @@ def _on_host(logits: torch.Tensor, states: list[SamplerState]) -> Sampled:
     """The pipeline with its cut and draw in numpy (engine/sampling/draw.py); records nothing."""
     raw = logits.float()  # [B, V]
     params = [st.params for st in states]
-    x = raw
-    if any(p.logit_bias or st.step < p.min_tokens for p, st in zip(params, states, strict=True)):
-        x = bias_and_min_tokens(x, states)
-    if any(st.grammar is not None for st in states):
-        x = mask_logits(x, [st.grammar for st in states])
-    if any(p.repetition_penalty != 1.0 or p.counts_output for p in params):
-        x = penalties(x, states)
+    x = adjusted(raw, states, mask_logits)
     hot = [i for i, p in enumerate(params) if not p.greedy]
     ids = argmax(x) if len(hot) < len(states) else np.empty(len(states), dtype=np.int64)  # [B]
     if hot:

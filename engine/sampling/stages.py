@@ -18,7 +18,7 @@ A uniform is drawn on the host in both paths: a seeded row's from its own genera
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -27,6 +27,7 @@ import torch
 from engine.device_copy import send
 
 if TYPE_CHECKING:
+    from engine.sampling.grammar import GrammarMatcher
     from engine.sampling.params import PenaltyBook, SamplerState
 
 TopLogprobs = tuple[tuple[int, float], ...]  # (token id, log-prob), the most likely first
@@ -96,6 +97,22 @@ def penalties(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Ten
     v = torch.where(v < 0, v * rep, v / rep)  # transformers' repetition penalty
     v = v - c * freq - (c > 0).float() * pres  # OpenAI's frequency and presence penalties
     return logits.index_put((row, col), v)
+
+
+def adjusted(raw: torch.Tensor, states: Sequence[SamplerState],
+             grammar_mask: Callable[[torch.Tensor, list[GrammarMatcher | None]], torch.Tensor]) -> torch.Tensor:
+    """The pipeline's first stages on ``raw`` [B, V] fp32, each only where a row needs it: logit_bias
+    and min_tokens, the grammar mask (``grammar_mask``: the host's or the device's form of the same
+    mask), then the penalties. Returns ``raw`` itself where no stage applies."""
+    params = [st.params for st in states]
+    x = raw
+    if any(p.logit_bias or st.step < p.min_tokens for p, st in zip(params, states, strict=True)):
+        x = bias_and_min_tokens(x, states)
+    if any(st.grammar is not None for st in states):
+        x = grammar_mask(x, [st.grammar for st in states])
+    if any(p.repetition_penalty != 1.0 or p.counts_output for p in params):
+        x = penalties(x, states)
+    return x
 
 
 def uniforms(states: Sequence[SamplerState]) -> np.ndarray:
