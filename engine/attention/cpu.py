@@ -128,7 +128,7 @@ class CpuBackend(AttentionBackend):
             rot.stores[rope](qkv, kc, vc)  # rotates q and k in place, then stores k and v
             return s.split(qkv)
         assert rot.tables is not None
-        q, k, v = s.split(qkv)
+        v = s.split(qkv)[2]  # [T, KV, D]; q and k are rotated together below
         t, hd = qkv.shape[0], s.head_dim
         qk = qkv[:, : s.q_size + s.kv_size].view(t, s.num_heads + s.num_kv_heads, hd)
         qk = rotate_rolled(qk, *rot.tables[rope])  # [T, H + KV, D]
