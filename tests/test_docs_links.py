@@ -3,7 +3,8 @@
 A clone has nothing but the repository, so a relative link must name a file or folder in it (never
 ``../shared/...`` or anything above the root), and a ``#anchor`` must name a heading of its target
 page, slugged as GitHub slugs headings. Web links (``https://``) are left alone; fenced code blocks
-and inline code are not links.
+and inline code are not links. The README itself stays a five-minute read: at most 150 lines, with the
+two set-up commands on its first screen.
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ def test_every_link_resolves_inside_the_repository(page: Path) -> None:
 def test_no_page_names_a_file_outside_the_repository(page: Path) -> None:
     lines = [line for line in page.read_text(encoding="utf-8").splitlines() if "../shared" in line]
     assert not lines, lines
+
+
+def test_the_readme_is_short_and_starts_with_the_two_commands() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
+    first_screen = "\n".join(lines[:25])
+    assert "make serve" in first_screen and "make test" in first_screen
 
 
 def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
