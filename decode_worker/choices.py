@@ -45,12 +45,11 @@ class ChoiceGroup:
         it, token 0 as its next token to feed."""
         ready = asyncio.Event()
         streams = []
-        for c in req.choice_list():
+        for c in req.choices:
             sampled = () if c.first_token_id is None else (c.first_token_id,)
             sampler = SamplerState.new(choice_params(req.sampling, c.index), req.prompt_token_ids, sampled, eos_ids,
                                        vocab)
-            seq_id = f"{req.request_id}#{c.index}" if req.choices else req.request_id
-            st = Stream(req=req, sampler=sampler, index=c.index, seq_id=seq_id, ready=ready)
+            st = Stream(req=req, sampler=sampler, index=c.index, ready=ready)
             if c.first_token_id is not None:
                 st.generated.append(c.first_token_id)
                 st.next_token = c.first_token_id

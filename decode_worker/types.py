@@ -18,7 +18,8 @@ from kv_transfer.handle import KVHandle
 @dataclass(frozen=True)
 class DecodeChoice:
     """One choice of a request to decode: its index among the request's ``n`` (which picks its seed,
-    `engine.sampling.choices`) and, disaggregated, its token 0 from the prefill (colocated: None)."""
+    `engine.sampling.choices`, and its sequence id in the decode worker) and, disaggregated, its
+    token 0 from the prefill (colocated: None)."""
 
     index: int
     first_token_id: int | None = None
@@ -28,32 +29,29 @@ class DecodeChoice:
 class DecodeRequest:
     """Continue a sequence whose prompt KV was built by a prefill replica (or build it here).
 
-    Disaggregated: ``first_token_id`` is token 0 from the prefill and ``handle`` says where its KV
-    is. Colocated: both are ``None`` and the worker prefills the prompt itself, then streams token 0
-    as its first event. Several choices (``n > 1``): ``choices`` lists each one to decode, with its
-    token 0 (``first_token_id`` is then None); the prompt's KV is pulled (or prefilled) once and
-    forked into one sequence per choice. Without ``choices`` the request is choice 0 alone.
+    ``choices`` lists each choice to decode, one for ``n == 1`` (the default: choice 0, colocated).
+    Disaggregated: each choice carries its token 0 from the prefill and ``handle`` says where the
+    prompt's KV is. Colocated: no choice carries a token 0, ``handle`` is ``None``, and the worker
+    prefills the prompt itself, then streams each choice's token 0 as its first event. The prompt's
+    KV is pulled (or prefilled) once and forked into one sequence per further choice.
+
+    Invariants: at least one choice; choice indices are distinct and >= 0.
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    first_token_id: int | None = None
+    choices: tuple[DecodeChoice, ...] = (DecodeChoice(0),)
     handle: KVHandle | None = None
     arrival_time: float = 0.0
     prompt_logprobs: int | None = None  # colocated only: the prompt's log-probs, k alternatives each
-    choices: tuple[DecodeChoice, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.choices and self.first_token_id is not None:
-            raise ValueError("first_token_id is for one choice; with choices, each carries its own")
+        if not self.choices:
+            raise ValueError(f"{self.request_id}: a decode request needs at least one choice")
         indices = [c.index for c in self.choices]
         if len(set(indices)) != len(indices) or any(i < 0 for i in indices):
-            raise ValueError(f"choice indices must be distinct and >= 0, got {indices}")
-
-    def choice_list(self) -> tuple[DecodeChoice, ...]:
-        """The choices to decode: ``choices``, or choice 0 with ``first_token_id``."""
-        return self.choices or (DecodeChoice(0, self.first_token_id),)
+            raise ValueError(f"{self.request_id}: choice indices must be distinct and >= 0, got {indices}")
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler
    the caller closing the stream frees its blocks before the next step (a transfer in flight is
    allowed to finish first, so nothing is ever written into blocks someone else owns).
 
-Several choices (`DecodeRequest.choices`): one stream each, as a `decode_worker.choices.ChoiceGroup`
-whose head takes the prompt's KV and whose forks share it (`decode_worker.scheduler`); the worker
+Choices (`DecodeRequest.choices`, one or more): one stream each, with sequence id
+``{request_id}#{index}``, as a `decode_worker.choices.ChoiceGroup` whose head takes the prompt's KV
+and whose forks (any further choices) share it (`decode_worker.scheduler`); the worker
 makes their copies of a shared partial block when the KV is in and (colocated) samples each one's token 0.
 
 Invariants: the scheduler, pool and streams are touched only on the event loop, except the sampler
@@ -170,7 +171,7 @@ class DecodeWorker:
         if self._queued_beyond_free_slots() >= self.config.max_queue:
             raise QueueFullError(f"decode queue is full ({self.config.max_queue} waiting)", 1.0)
         group = ChoiceGroup.new(req, self.eos_ids, vocab)  # a grammar rejecting a token 0 raises here
-        if any((c.first_token_id is None) != self.colocated for c in req.choice_list()):
+        if any((c.first_token_id is None) != self.colocated for c in req.choices):
             raise ValueError("each choice needs its token 0 from the prefill (disaggregated), none colocated")
         forks = [st.seq_id for st in group.streams[1:]]
         self.scheduler.add(group.head.seq_id, n_prompt, arrival=group.head.enqueued, forks=forks)
@@ -242,7 +243,7 @@ class DecodeWorker:
     async def _step(self) -> None:
         out = self.scheduler.schedule()
         self._execute_swaps_and_admissions(out)
-        decode = [self.streams[s.request_id] for s in out.decode if s.request_id in self.streams]
+        decode = [self.streams[s.seq_id] for s in out.decode if s.seq_id in self.streams]
         chunks, prefill_groups = self._plan_prefill()
         prefill_streams = [g.head for g in prefill_groups]
         if not decode and not chunks:
@@ -309,16 +310,16 @@ class DecodeWorker:
     def _execute_swaps_and_admissions(self, out: SchedulerOutput) -> None:
         cache = self.engine.cache
         for seq, blocks in out.swap_out:  # first: these ids may already be reused below
-            self.swap_space.swap_out(seq.request_id, cache, blocks)
+            self.swap_space.swap_out(seq.seq_id, cache, blocks)
             self.num_swapped_out += 1
         for seq, blocks in out.swap_in:
-            self.swap_space.swap_in(seq.request_id, cache, blocks)
+            self.swap_space.swap_in(seq.seq_id, cache, blocks)
         for seq in out.failed:
-            st = self.streams.get(seq.request_id)
+            st = self.streams.get(seq.seq_id)
             if st is not None:
                 self._end(st, "error", "sequence outgrew the decode pool's KV blocks")
         for seq in out.admitted:
-            group = self.groups[self.streams[seq.request_id].request_id]
+            group = self.groups[self.streams[seq.seq_id].request_id]
             for st in group.streams:
                 st.admitted_at = time.monotonic()
             if self.colocated:

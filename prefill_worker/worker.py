@@ -272,8 +272,6 @@ class PrefillWorker:
         if isinstance(firsts, GrammarError):  # never hand on a token the grammar rejected
             self._fail(job, firsts)
             return
-        first, *more = firsts
-        token, logprob, top = first.token_id, first.logprob, first.top_logprobs
         pool = self.engine.pool
         pool.commit_full_blocks(job.blocks, job.prompt, self.engine.prefix_salt(len(job.prompt)))
         timings = PrefillTimings(
@@ -282,13 +280,12 @@ class PrefillWorker:
             num_chunks=job.num_chunks,
         )
         self.num_prefilled += 1
-        ended = all(f.finish_reason is not None for f in (first, *more))
+        ended = all(f.finish_reason is not None for f in firsts)
         if ended or job.future.done():  # done: the caller gave up
             pool.free(job.blocks)
             result = PrefillResult(
-                request_id=req.request_id, token_id=token, logprob=logprob, handle=None, finished=True,
-                finish_reason=first.finish_reason or "length", num_cached_tokens=job.num_cached, timings=timings,
-                top_logprobs=top, prompt_logprobs=job.scores, more_choices=tuple(more),
+                request_id=req.request_id, choices=tuple(firsts), handle=None, finished=True,
+                num_cached_tokens=job.num_cached, timings=timings, prompt_logprobs=job.scores,
             )
         else:
             transfer_id = f"{req.request_id}-{uuid.uuid4().hex[:12]}"
@@ -299,9 +296,8 @@ class PrefillWorker:
                 n_tokens=len(job.prompt), layout=self.layout, expires_at=expires_at,
             )
             result = PrefillResult(
-                request_id=req.request_id, token_id=token, logprob=logprob, handle=handle,
-                num_cached_tokens=job.num_cached, timings=timings, top_logprobs=top, prompt_logprobs=job.scores,
-                finish_reason=first.finish_reason, more_choices=tuple(more),
+                request_id=req.request_id, choices=tuple(firsts), handle=handle,
+                num_cached_tokens=job.num_cached, timings=timings, prompt_logprobs=job.scores,
             )
         if not job.future.done():
             job.future.set_result(result)

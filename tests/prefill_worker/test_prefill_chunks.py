@@ -30,7 +30,7 @@ async def test_short_prompts_pass_a_long_one_between_its_chunks(tiny_path, ref_e
     async def one(rid: str, prompt: tuple[int, ...]) -> tuple[str, int, int]:
         res = await pd.prefill.prefill(PrefillRequest(rid, prompt, params))
         done.append(rid)
-        return rid, res.token_id, res.timings.num_chunks
+        return rid, res.choices[0].token_id, res.timings.num_chunks
 
     tasks = [asyncio.ensure_future(one("long", long))] + [
         asyncio.ensure_future(one(f"s{i}", p)) for i, p in enumerate(shorts)]
