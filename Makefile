@@ -35,6 +35,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy engine cluster prefill_worker decode_worker router kv_transfer
 
+# PDSERVE_REQUIRE_RESOURCES=1 (as .ci/run sets it) turns a test skipped for a missing g++/nginx into a failure.
 test: $(STAMP) lint
 	$(PY) -m pytest -q -ra tests
 

@@ -24,6 +24,7 @@ from hypothesis import settings
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from tests.support.markers import check_resource_marks
 from tests.support.models import make_tiny
 
 torch.set_num_threads(1)
@@ -40,6 +41,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    check_resource_marks(item)  # a missing g++ / nginx: a skip here, a failure under PDSERVE_REQUIRE_RESOURCES=1
 
 
 @pytest.fixture(scope="session")
