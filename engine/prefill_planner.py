@@ -9,8 +9,8 @@ the grants (budget ``max_batch_tokens``, cap ``max_chunk_tokens``); a colocated
 
 Why a chunk cap: a forward's time grows with its tokens, and token 0 of every prompt in it waits for
 the whole forward. Without a cap a 2,000-token prompt takes the whole budget and every short prompt
-behind it waits one long forward per long prompt queued (chat TTFT of 30 s behind 2,000-token
-prompts in the interference benchmark). With ``max_chunk_tokens`` a long prompt advances at most
+behind it waits one long forward per long prompt queued (the interference benchmark's chat TTFT
+shows it: docs/benchmarks-notes.md). With ``max_chunk_tokens`` a long prompt advances at most
 that many tokens per forward and short prompts fill the rest of the budget, so they pass it between
 its chunks.
 
