@@ -13,6 +13,10 @@ Readiness: ``/health`` says the process answers; ``/ready`` says to send traffic
 503 while the app's drain flag is set (`router.drain`) — the first thing a drain changes, so a load
 balancer stops sending before anything stops serving — and while either pool does not answer.
 
+``/v1/responses`` (OpenAI's Responses API, `router.responses`): its own field tables, then the chat
+completions request it means through the same steps; its events or one Response object (nothing is
+stored: ``GET /v1/responses/{id}`` is a 404).
+
 Also vLLM's ``/tokenize`` and ``/detokenize`` (`router.tokenize`), through the same auth, field
 accounting and validation.
 
@@ -63,7 +67,7 @@ from router.errors import (
 from router.fields import FieldTables, account
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import CONTENT_TYPE, RouterMetrics
-from router.openai_format import DONE, ChatFormatter, CompletionFormatter, Formatter, sse, sse_event
+from router.openai_format import DONE, ChatFormatter, CompletionFormatter, Formatter, sse
 from router.prompt import chat_prompt, completion_prompt, echo_text, sampling_for
 from router.protocol import (
     ChatCompletionRequest,
@@ -77,6 +81,7 @@ from router.responses.convert import to_chat
 from router.responses.fields import IGNORED as RESPONSES_IGNORED
 from router.responses.fields import REFUSED as RESPONSES_REFUSED
 from router.responses.objects import new_response
+from router.responses.relay import stream_events, whole_response
 from router.responses.request import ResponsesRequest
 from router.responses.writer import ResponseWriter
 from router.tokenize import (
@@ -235,40 +240,15 @@ class Router:
             tools=ToolCallStream(tools) if tools.reads_calls else None))
         first, deltas = await self._start(prompt, chat, writer.formatter, None, grammar)
         if chat.stream:
-            return StreamingResponse(self._events(first, deltas, writer), media_type="text/event-stream",
+            return StreamingResponse(stream_events(first, deltas, writer, stream_error), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            writer.add(first)
-            async for delta in deltas:
-                writer.add(delta)
-        except Exception as e:
-            return stream_error(e).response()
-        finally:
-            await deltas.aclose()
-        return JSONResponse(writer.response().model_dump())
+        return JSONResponse((await whole_response(first, deltas, writer, stream_error)).model_dump())
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(self, request: Request, response_id: str) -> Response:
+        """Nothing is stored (docs/responses.md): a 404 saying so."""
         self._authorize(request)
         raise not_stored(response_id)
-
-    async def _events(self, first: Delta, deltas: AsyncGenerator[Delta, None],
-                      writer: ResponseWriter) -> AsyncIterator[str]:
-        """A response's SSE events (``event: <type>``; no ``[DONE]``, as OpenAI's); an error after the
-        first token is an ``error`` event, and the stream ends there."""
-        try:
-            try:
-                for ev in writer.start() + writer.add(first):
-                    yield sse_event(ev)
-                async for delta in deltas:
-                    for ev in writer.add(delta):
-                        yield sse_event(ev)
-            except Exception as e:
-                err = stream_error(e)
-                logger.warning("stream %s failed after its first token: %s", writer.id, err.message)
-                yield sse_event(writer.error(err.code, err.message, err.param))
-        finally:
-            await deltas.aclose()
 
     async def _start(self, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
                      prompt_logprobs: int | None, grammar: GrammarSpec | None = None

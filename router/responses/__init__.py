@@ -14,6 +14,8 @@ Modules:
   objects   the Response object and its output items, as the official client reads them
   writer    `ResponseWriter`: Deltas → output items, the stream's events (with sequence numbers),
             the final Response (status, incomplete_details, usage)
+  relay     the Deltas relayed to the client: the SSE body (the decode stream closed whatever
+            happens), or the whole Response
 
 Nothing is stored: ``store`` is accepted and has no effect, ``previous_response_id`` is a 400 and
 ``GET /v1/responses/{id}`` a 404 (docs/responses.md).
