@@ -257,8 +257,6 @@ class Router:
         call's (already checked), in place of ``response_format``'s. An error before the first token
         is raised as the `APIError` the client gets (429, 503, ...)."""
         arrival_mono = time.perf_counter()
-        if req.n > self._config.max_choices:  # a decode replica runs every choice of a request at once
-            raise bad_request(f"n: at most {self._config.max_choices} choices per request are served", param="n")
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
                                 self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size, fmt.top_logprobs,
                                 self._codec.sampling_defaults)
@@ -283,6 +281,8 @@ class Router:
     async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
                    prompt_logprobs: int | None, grammar: GrammarSpec | None = None) -> Response:
         """A completion or chat completion: SSE chunks ending in ``[DONE]``, or one JSON response."""
+        if req.n > self._config.max_choices:  # a decode replica runs every choice of a request at once
+            raise bad_request(f"n: at most {self._config.max_choices} choices per request are served", param="n")
         first, deltas = await self._start(prompt, req, fmt, prompt_logprobs, grammar)
         if stream:
             return StreamingResponse(self._sse(first, deltas, fmt), media_type="text/event-stream",
