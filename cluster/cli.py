@@ -152,6 +152,11 @@ def _plan(args: argparse.Namespace) -> int:
     from cluster.planner.search import RatePlan, plan
     from cluster.planner.workload import WorkloadSpec
 
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError("--plot needs matplotlib (pip install 'pdserve[dev]'), which is not installed")
     try:
         fp = fit(ReplicaProfile.load(args.profile))
         spec = WorkloadSpec.load(args.workload)
