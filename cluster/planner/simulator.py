@@ -1,7 +1,7 @@
 """A discrete-event simulation of one pdserve cluster serving a list of arrivals, on a fitted profile.
 
-Owns: `Shape` (a cluster's prefill and decode replica counts and its chunking), `simulate` and its
-`SimResult`. It runs the code's own policies, imported, never restated: the decode replica choice
+Owns: `Shape` (a cluster's prefill and decode replica counts and its chunking) and `simulate`, which
+records each request as a `cluster.planner.outcome.SimRequest` and reports their `SimResult`. It runs the code's own policies, imported, never restated: the decode replica choice
 (`router.policy.choose` over `LoadReport`s built from the simulated state), the path decision
 (`router.path_policy.decide`, estimates from `router.load_estimates`), the prefill order and the
 local chunks (`engine.prefill_planner.grant_tokens` with TTFT deadlines) under the per-step budget
@@ -25,10 +25,10 @@ the same result.
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, field
 from itertools import count
 
+from cluster.planner.outcome import SimRequest, SimResult, summarize
 from cluster.planner.profile import FittedProfile
 from cluster.planner.workload import Arrival
 from decode_worker.scheduler import DecodeScheduler, SchedulerConfig
@@ -36,7 +36,7 @@ from engine.block_pool import BlockPool
 from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens
 from router.load_estimates import prefill_wait_s
-from router.objectives import Objectives, SLOClass, attained, tpot
+from router.objectives import Objectives
 from router.path_policy import Path, PathInputs, PathParams, decide
 from router.policy import choose
 from router.step_model import step_token_budget
@@ -56,69 +56,22 @@ class Shape:
             raise ValueError(f"need prefill_replicas >= 0, decode_replicas >= 1, chunk_tokens >= 1: {self}")
 
 
-@dataclass(eq=False)  # identity: queues remove by `is`
-class _Req:
-    rid: str
-    a: Arrival
-    cls: SLOClass
-    decode: int
-    path: Path = Path.REMOTE
-    remaining: int = 0  # prompt tokens to prefill
-    first: float = math.nan
-    last: float = math.nan
-    generated: int = 0
-    running: bool = False  # on its decode replica's running list (its TPOT objective counted there)
-
-    @property
-    def deadline(self) -> float:
-        return self.cls.ttft_deadline(self.a.t)
-
-
 @dataclass
 class _Prefill:
-    jobs: list[_Req] = field(default_factory=list)
+    jobs: list[SimRequest] = field(default_factory=list)
     busy: bool = False
-    running: list[tuple[_Req, int]] = field(default_factory=list)
+    running: list[tuple[SimRequest, int]] = field(default_factory=list)
 
 
 @dataclass
 class _Decode:
     sched: DecodeScheduler
-    local: list[_Req] = field(default_factory=list)  # admitted LOCAL requests still prefilling
+    local: list[SimRequest] = field(default_factory=list)  # admitted LOCAL requests still prefilling
     busy: bool = False
     context: int = 0  # tokens of every live request on it (the load report's outstanding tokens)
     live: int = 0
     tpot_classes: dict[float, int] = field(default_factory=dict)  # running TPOT objectives, counted
-    step: tuple[list[str], list[tuple[_Req, int]]] = ([], [])
-
-
-@dataclass(frozen=True)
-class SimResult:
-    requests: int  # measured: those that arrived after the warm-up
-    attained: int
-    duration_s: float  # from the end of the warm-up to the last arrival
-    by_class: dict[str, tuple[int, int]]  # class → (attained, requests)
-    by_path: dict[str, int]  # path → requests
-    ttft_p50_s: float
-    ttft_p99_s: float
-    tpot_p50_s: float
-    tpot_p99_s: float
-
-    @property
-    def attainment(self) -> float:
-        return self.attained / self.requests if self.requests else 0.0
-
-    @property
-    def goodput(self) -> float:
-        """Requests per second within both objectives."""
-        return self.attained / self.duration_s if self.duration_s > 0 else 0.0
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    step: tuple[list[str], list[tuple[SimRequest, int]]] = ([], [])
 
 
 _idle_pools: dict[tuple[int, int], list[BlockPool]] = {}  # this process's empty pools, reused across runs
@@ -153,7 +106,7 @@ class _Sim:
                         for _ in range(shape.decode_replicas)]
         self.events: list[tuple[float, int, str, int, str]] = []
         self.seq = count()
-        self.reqs: dict[str, _Req] = {}
+        self.reqs: dict[str, SimRequest] = {}
         self.now = 0.0
 
     def at(self, t: float, kind: str, replica: int = 0, rid: str = "") -> None:
@@ -214,22 +167,22 @@ class _Sim:
         self._kick_prefill(i)
 
     # ---- decode pool ----
-    def _first_token(self, r: _Req) -> None:
+    def _first_token(self, r: SimRequest) -> None:
         r.first = r.last = self.now
         r.generated = 1
 
-    def _to_decode(self, r: _Req) -> None:
+    def _to_decode(self, r: SimRequest) -> None:
         d = self.decodes[r.decode]
         d.sched.add(r.rid, r.a.prompt_tokens + (r.path is Path.REMOTE), r.a.t)
         d.context += r.a.prompt_tokens
         d.live += 1
         self._kick_decode(r.decode)
 
-    def _running(self, d: _Decode, r: _Req) -> None:
+    def _running(self, d: _Decode, r: SimRequest) -> None:
         r.running = True
         d.tpot_classes[r.cls.tpot_s] = d.tpot_classes.get(r.cls.tpot_s, 0) + 1
 
-    def _done(self, d: _Decode, r: _Req) -> None:
+    def _done(self, d: _Decode, r: SimRequest) -> None:
         """Off the replica's books (finished, or ended by its scheduler)."""
         d.sched.finish(r.rid)
         d.context -= r.a.prompt_tokens + max(0, r.generated - 1)  # what `_to_decode` and the steps added
@@ -302,7 +255,7 @@ class _Sim:
             rid = f"r{n}"
             cls = self.obj.classify(a.prompt_tokens)
             assert cls is not None  # the planner refuses a workload without objectives
-            self.reqs[rid] = _Req(rid, a, cls, 0)
+            self.reqs[rid] = SimRequest(rid, a, cls, 0)
             self.at(a.t, "arrive", 0, rid)
         while self.events:
             t, _, kind, i, rid = heapq.heappop(self.events)
@@ -335,25 +288,4 @@ def simulate(fp: FittedProfile, shape: Shape, arrivals: list[Arrival], objective
     for d in sim.decodes:
         _give_back(d.sched, left)
     first = min(a.t for a in arrivals)
-    start = first + warmup_fraction * (last - first)
-    ok, measured, ttfts, tpots = 0, 0, [], []
-    by_class: dict[str, list[int]] = {c.name: [0, 0] for c in objectives.classes}
-    by_path: dict[str, int] = {}
-    for r in sim.reqs.values():
-        if r.a.t < start:
-            continue
-        measured += 1
-        done = r.generated >= r.a.output_tokens
-        by_class[r.cls.name][1] += 1
-        by_path[r.path.value] = by_path.get(r.path.value, 0) + 1
-        if not done:
-            continue
-        ttft, tp = r.first - r.a.t, tpot(r.first, r.last, r.a.output_tokens)
-        ttfts.append(ttft)
-        if tp is not None:
-            tpots.append(tp)
-        if attained(ttft, tp, r.cls):
-            ok += 1
-            by_class[r.cls.name][0] += 1
-    return SimResult(measured, ok, last - start, {k: (v[0], v[1]) for k, v in by_class.items()}, by_path,
-                     _pct(ttfts, 0.5), _pct(ttfts, 0.99), _pct(tpots, 0.5), _pct(tpots, 0.99))
+    return summarize(sim.reqs.values(), objectives, first + warmup_fraction * (last - first), last)
