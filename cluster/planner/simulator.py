@@ -1,7 +1,8 @@
 """A discrete-event simulation of one pdserve cluster serving a list of arrivals, on a fitted profile.
 
 Owns: `Shape` (a cluster's prefill and decode replica counts and its chunking) and `simulate`, which
-records each request as a `cluster.planner.outcome.SimRequest` and reports their `SimResult`. It runs the code's own policies, imported, never restated: the decode replica choice
+records each request as a `cluster.planner.outcome.SimRequest` and reports their `SimResult`. It
+runs the code's own policies, imported, never restated: the decode replica choice
 (`router.policy.choose` over `LoadReport`s built from the simulated state), the path decision
 (`router.path_policy.decide`, estimates from `router.load_estimates`), the prefill order and the
 local chunks (`engine.prefill_planner.grant_tokens` with TTFT deadlines) under the per-step budget
