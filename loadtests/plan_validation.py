@@ -47,10 +47,11 @@ def objectives(slo: Mapping[str, Any]) -> Objectives:
 
 
 def shape(cfg: ClusterConfig, conditional: bool = False) -> Shape:
-    """The simulated shape of a cluster config (the colocated one prefills its chunk per step)."""
+    """The simulated shape of a cluster config as it runs today: a colocated one prefills its fixed chunk
+    a step, oldest first; a disaggregated one sends every prompt to the prefill pool."""
     if not cfg.disaggregated:
         chunk = cfg.decode.prefill_chunk_size or (cfg.limits.max_model_len or 1 << 20)
-        return Shape(0, cfg.decode.num_replicas, chunk_tokens=chunk, prefill_batch_tokens=chunk)
+        return Shape(0, cfg.decode.num_replicas, chunk_tokens=chunk, prefill_batch_tokens=chunk, tpot_budget=False)
     p = cfg.prefill
     return Shape(p.num_replicas, cfg.decode.num_replicas, chunk_tokens=p.max_chunk_tokens or p.max_batch_tokens,
                  prefill_batch_tokens=p.max_batch_tokens, conditional=conditional)

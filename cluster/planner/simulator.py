@@ -50,6 +50,9 @@ class Shape:
     chunk_tokens: int = 512  # a prompt's most tokens per forward, in both pools
     prefill_batch_tokens: int = 2048  # a prefill forward's budget
     conditional: bool = True  # the path decision; False: every request remote (with a prefill pool)
+    # local chunks held under the running streams' TPOT (`step_token_budget`); False: ``chunk_tokens``
+    # a step whatever runs, oldest first (today's colocated worker, `decode.prefill_chunk_size`)
+    tpot_budget: bool = True
     policy: str = "least_outstanding_tokens"  # both pools' routing policy (the simulation has no token ids)
 
     def __post_init__(self) -> None:
@@ -217,11 +220,13 @@ class _Sim:
         batch = len(out.decode)
         ctx = sum(s.num_tokens for s in out.decode)
         grants: list[int] = []
-        if d.local:
+        if d.local and self.shape.tpot_budget:
             budget = step_token_budget(self.fp.step, batch, ctx, min(d.tpot_classes, default=None),
                                        self.shape.chunk_tokens, self.params.tpot_safety)
             grants = grant_tokens([r.remaining for r in d.local], budget, self.shape.chunk_tokens,
                                   [r.deadline for r in d.local])
+        elif d.local:
+            grants = grant_tokens([r.remaining for r in d.local], self.shape.chunk_tokens, self.shape.chunk_tokens)
         if batch == 0 and not any(grants):
             return  # idle until a transfer, an arrival or a finished prefill wakes it
         d.step = ([s.request_id for s in out.decode], [(r, g) for r, g in zip(d.local, grants, strict=True) if g])

@@ -40,6 +40,18 @@ def test_a_lone_colocated_request_is_prefilled_in_chunks_between_steps() -> None
     assert r.by_path == {"local": 1}
 
 
+def test_local_chunks_keep_running_streams_inside_their_tpot_unless_told_to_run_fixed_chunks() -> None:
+    # a chat stream of 3 tokens decoding when a 1,000-token prompt arrives on the same replica
+    reqs = [Arrival(0.0, 20, 3), Arrival(0.03, 1000, 2)]
+    budgeted = simulate(FP, Shape(0, 1, chunk_tokens=1024), reqs, OBJ, 0.0)
+    fixed = simulate(FP, Shape(0, 1, chunk_tokens=1024, tpot_budget=False), reqs, OBJ, 0.0)
+    # a whole 1,000-token chunk beside its last step (> 0.2 s) takes the chat stream's mean past 0.1 s;
+    # under the budget each step stays within 0.9 x 0.1 s
+    assert FP.step.step_s(1, 22, 1000) > 0.2
+    assert budgeted.by_class == {"chat": (1, 1), "long": (1, 1)}
+    assert fixed.by_class == {"chat": (0, 1), "long": (1, 1)}
+
+
 def test_the_path_decision_sends_short_prompts_local_and_long_ones_remote_when_the_pool_keeps_up() -> None:
     s = spec(requests=40)
     reqs = arrivals(s, 0.5)  # far below capacity: the pool's wait is nil

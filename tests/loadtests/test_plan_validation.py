@@ -33,7 +33,8 @@ def test_the_sweeps_kinds_slos_and_shape_become_the_planners() -> None:
     sh = shape(cfg)
     assert (sh.prefill_replicas, sh.decode_replicas, sh.conditional) == (cfg.prefill.num_replicas,
                                                                         cfg.decode.num_replicas, False)
-    assert shape(ClusterConfig.from_yaml(REPO / "deploy/bench-colocated.yaml")).prefill_replicas == 0
+    colocated = shape(ClusterConfig.from_yaml(REPO / "deploy/bench-colocated.yaml"))
+    assert colocated.prefill_replicas == 0 and not colocated.tpot_budget
 
 
 def test_predicted_beside_measured_and_the_tolerance_judged() -> None:
