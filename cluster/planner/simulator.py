@@ -103,7 +103,7 @@ class _Sim:
         p = fp.profile
         self.fp, self.shape, self.obj = fp, shape, objectives
         self.params = PathParams(step=fp.step, max_chunk_tokens=shape.chunk_tokens)
-        self.rate = fp.prefill.rate_tps(min(shape.prefill_batch_tokens, max(shape.chunk_tokens, 1)))
+        self.rate = fp.prefill.rate_tps(shape.prefill_batch_tokens)  # a queue fills every forward
         self.prefills = [_Prefill() for _ in range(shape.prefill_replicas)]
         cfg = SchedulerConfig(max_num_seqs=p.max_num_seqs, max_swap_blocks=4 * p.kv_blocks)
         self.decodes = [_Decode(DecodeScheduler(cfg, _pool(p.kv_blocks, p.block_size)))
