@@ -10,7 +10,9 @@ The spec file::
 
     objectives:                    # the same section as a cluster YAML's (cluster.sections)
       classes: [{name: chat, ttft_s: 0.5, tpot_s: 0.1, max_prompt_tokens: 256}, {name: long, ...}]
-    requests: 1000                 # arrivals per simulated rate
+    duration_s: 30                 # the arrival window simulated at each rate (long beside a request's life)
+    min_requests: 200              # at low rates the window grows to hold this many
+    max_requests: 20000            # past this a rate is refused: simulate a slice (pdserve plan --slice)
     seed: 0
     mix:                           # or trace: path/to/trace.jsonl ({"t", "prompt_tokens", "output_tokens"} a line)
       - {share: 0.85, prompt: {fixed: 30}, output: {fixed: 48}}
@@ -77,7 +79,9 @@ class MixPart(_Spec):
 
 class WorkloadSpec(_Spec):
     objectives: ObjectivesSection
-    requests: int = Field(default=1000, ge=10)
+    duration_s: float = Field(default=30.0, gt=0)
+    min_requests: int = Field(default=200, ge=2)
+    max_requests: int = Field(default=20000, ge=2)
     seed: int = 0
     mix: list[MixPart] | None = Field(default=None, min_length=1)
     trace: str | None = None
@@ -86,6 +90,8 @@ class WorkloadSpec(_Spec):
     def _mix_or_trace(self) -> WorkloadSpec:
         if (self.mix is None) == (self.trace is None):
             raise ValueError("a workload needs exactly one of mix, trace")
+        if self.min_requests > self.max_requests:
+            raise ValueError(f"min_requests {self.min_requests} exceeds max_requests {self.max_requests}")
         if not self.objectives.classes:
             raise ValueError("objectives.classes: the planner needs objectives to judge attainment")
         return self
@@ -140,7 +146,8 @@ def _trace(path: str) -> list[Arrival]:
 
 
 def arrivals(spec: WorkloadSpec, rate: float) -> list[Arrival]:
-    """``spec.requests`` arrivals at ``rate`` requests/s (Poisson), or the trace rescaled to that mean rate."""
+    """Poisson arrivals at ``rate`` requests/s over ``spec.duration_s`` (at least ``min_requests``), or the
+    trace rescaled to that mean rate; more than ``max_requests`` is refused, naming it."""
     if not rate > 0:
         raise ValueError(f"rate must be positive, got {rate}")
     if spec.trace is not None:
@@ -151,9 +158,12 @@ def arrivals(spec: WorkloadSpec, rate: float) -> list[Arrival]:
     assert spec.mix is not None
     rng = random.Random(spec.seed)
     shares = [p.share for p in spec.mix]
-    t, out = 0.0, []
-    for _ in range(spec.requests):
-        t += rng.expovariate(rate)
+    t, out = rng.expovariate(rate), []
+    while t < spec.duration_s or len(out) < spec.min_requests:
+        if len(out) == spec.max_requests:
+            raise ValueError(f"rate {rate:g}/s over duration_s {spec.duration_s:g} is past max_requests "
+                             f"{spec.max_requests}: simulate a slice (--slice) or shorten duration_s")
         part = rng.choices(spec.mix, weights=shares)[0]
         out.append(Arrival(t, part.prompt.draw(rng), part.output.draw(rng)))
+        t += rng.expovariate(rate)
     return out

@@ -91,3 +91,12 @@ def test_a_bad_workload_file_names_the_file_and_key(tmp_path: Path) -> None:
     (tmp_path / "w.yaml").write_text("objectives: {classes: [{name: a, ttft_s: 1, tpot_s: 1}]}\nmix: []\nrate: 3\n")
     with pytest.raises(ValueError, match=r"(?s)w\.yaml: invalid workload.*rate: unknown key \(allowed: objectives,"):
         WorkloadSpec.load(tmp_path / "w.yaml")
+
+
+def test_the_window_sets_the_arrivals_and_too_many_are_refused() -> None:
+    s = spec(requests=10, duration_s=20.0, max_requests=500)
+    got = arrivals(s, 5.0)
+    assert got[-1].t < 20.0 and len(got) == pytest.approx(100, rel=0.3)  # the window, not the minimum
+    assert len(arrivals(s, 0.1)) == 10  # a slow rate: the minimum
+    with pytest.raises(ValueError, match="past max_requests 500"):
+        arrivals(s, 100.0)

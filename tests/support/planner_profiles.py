@@ -26,10 +26,11 @@ def known_profile(kv_blocks: int = 256, max_num_seqs: int = 16) -> ReplicaProfil
 
 
 def spec(requests: int = 60, **extra: Any) -> WorkloadSpec:
+    """At least ``requests`` arrivals (a one-second window: more only at rates above ``requests``/s)."""
     data: dict[str, Any] = {
         "objectives": {"classes": [{"name": "chat", "ttft_s": 0.5, "tpot_s": 0.1, "max_prompt_tokens": 128},
                                    {"name": "long", "ttft_s": 3.0, "tpot_s": 0.15}]},
-        "requests": requests, "seed": 1,
+        "duration_s": 1.0, "min_requests": requests, "seed": 1,
         "mix": [{"share": 0.8, "prompt": {"uniform": [10, 60]}, "output": {"fixed": 8}},
                 {"share": 0.2, "prompt": {"fixed": 600}, "output": {"fixed": 8}}]}
     data.update(extra)
