@@ -158,7 +158,7 @@ def arrivals(spec: WorkloadSpec, rate: float) -> list[Arrival]:
     assert spec.mix is not None
     rng = random.Random(spec.seed)
     shares = [p.share for p in spec.mix]
-    t, out = rng.expovariate(rate), []
+    t, out = rng.expovariate(rate), list[Arrival]()
     while t < spec.duration_s or len(out) < spec.min_requests:
         if len(out) == spec.max_requests:
             raise ValueError(f"rate {rate:g}/s over duration_s {spec.duration_s:g} is past max_requests "
