@@ -63,6 +63,7 @@ class Shape:
 @dataclass
 class _Prefill:
     jobs: list[SimRequest] = field(default_factory=list)
+    queued: int = 0  # prompt tokens still to prefill over the jobs (the load report's outstanding tokens)
     busy: bool = False
     running: list[tuple[SimRequest, int]] = field(default_factory=list)
 
@@ -75,7 +76,7 @@ class _Decode:
     context: int = 0  # tokens of every live request on it (the load report's outstanding tokens)
     live: int = 0
     tpot_classes: dict[float, int] = field(default_factory=dict)  # running TPOT objectives, counted
-    step: tuple[list[str], list[tuple[SimRequest, int]]] = ([], [])
+    step: tuple[list[SimRequest], list[tuple[SimRequest, int]]] = ([], [])  # what the current step runs
 
 
 _idle_pools: dict[tuple[int, int], list[BlockPool]] = {}  # this process's empty pools, reused across runs
@@ -122,7 +123,7 @@ class _Sim:
                            d.sched.pool.num_blocks) for i, d in enumerate(self.decodes)]
 
     def _prefill_reports(self) -> list[LoadReport]:
-        return [LoadReport(str(i), "prefill", len(p.jobs), 0, sum(j.remaining for j in p.jobs), 1, 1)
+        return [LoadReport(str(i), "prefill", len(p.jobs), 0, p.queued, 1, 1)
                 for i, p in enumerate(self.prefills)]
 
     def arrive(self, rid: str) -> None:
@@ -145,6 +146,7 @@ class _Sim:
         else:
             i = int(choose(self.shape.policy, None, self._prefill_reports()))
             self.prefills[i].jobs.append(r)
+            self.prefills[i].queued += r.remaining
             self._kick_prefill(i)
 
     # ---- prefill pool ----
@@ -162,6 +164,7 @@ class _Sim:
         p = self.prefills[i]
         for j, g in p.running:
             j.remaining -= g
+            p.queued -= g
             if j.remaining == 0:
                 p.jobs.remove(j)
                 self._first_token(j)
@@ -229,20 +232,21 @@ class _Sim:
             grants = grant_tokens([r.remaining for r in d.local], self.shape.chunk_tokens, self.shape.chunk_tokens)
         if batch == 0 and not any(grants):
             return  # idle until a transfer, an arrival or a finished prefill wakes it
-        d.step = ([s.request_id for s in out.decode], [(r, g) for r, g in zip(d.local, grants, strict=True) if g])
+        reqs = self.reqs
+        d.step = ([reqs[s.request_id] for s in out.decode], [(r, g) for r, g in zip(d.local, grants, strict=True) if g])
         d.busy = True
         self.at(self.now + self.fp.step.step_s(batch, ctx, sum(grants)), "step_end", i)
 
     def step_end(self, i: int) -> None:
         d = self.decodes[i]
         decoded, chunks = d.step
-        for rid in decoded:
-            r = self.reqs[rid]
-            d.sched.on_token(rid)
-            d.context += 1
+        on_token = d.sched.on_token
+        d.context += len(decoded)
+        for r in decoded:
+            on_token(r.rid)
             r.generated += 1
-            r.last = self.now
             if r.generated >= r.a.output_tokens:
+                r.last = self.now
                 self._done(d, r)
         for r, g in chunks:
             r.remaining -= g
