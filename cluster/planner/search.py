@@ -11,7 +11,7 @@ refined around its best (attainment over ``P`` has one broad peak: too few prefi
 long prompts, too few decode replicas run out of KV and TPOT); then every chunk size at the best split.
 ``P = 0`` is the colocated cluster. Ties go to the higher goodput, then the fewer prefill replicas.
 The always-remote cluster (every prompt to the prefill pool, as without the path decision) is searched
-over the coarse grid at the best chunk size, for comparison.
+over a coarser grid at the best chunk size, for comparison.
 The arrivals are the same at every candidate of a rate (the spec's seed), so candidates differ only
 by the cluster.
 """
@@ -30,6 +30,7 @@ from cluster.planner.workload import Arrival, WorkloadSpec, arrivals
 from router.objectives import Objectives
 
 COARSE_POINTS = 9  # splits tried before refining, on budgets too large to try them all
+REMOTE_POINTS = 4  # splits the always-remote comparison tries
 
 
 @dataclass(frozen=True)
@@ -61,11 +62,12 @@ class RatePlan:
         return c.result.goodput * self.scale
 
 
-def _splits(replicas: int) -> list[int]:
-    if replicas <= COARSE_POINTS + 2:
+def _splits(replicas: int, points: int = COARSE_POINTS) -> list[int]:
+    """Prefill replica counts to try: all of ``0..replicas-1``, or ``points`` of them evenly spread."""
+    if replicas <= points + 2:
         return list(range(replicas))
-    step = (replicas - 1) / (COARSE_POINTS - 1)
-    return sorted({round(i * step) for i in range(COARSE_POINTS)})
+    step = (replicas - 1) / (points - 1)
+    return sorted({round(i * step) for i in range(points)})
 
 
 def _simulate(task: tuple[FittedProfile, Shape, list[Arrival], Objectives]) -> SimResult:
@@ -101,11 +103,11 @@ def plan_rate(fp: FittedProfile, spec: WorkloadSpec, rate: float, replicas: int,
         best = max([best, *run([shape(p, mid) for p in range(lo, hi + 1, max(1, width // 3))])], key=Candidate.key)
     at = best.shape.prefill_replicas
     best = max([best, *run([shape(at, c) for c in chunks])], key=Candidate.key)
-    colocated = run([shape(0, best.shape.chunk_tokens)])[0]
-    remote = None
-    if replicas > 1:  # the always-remote cluster at its own best split (the coarse grid)
-        remote = max(run([shape(p, best.shape.chunk_tokens, False) for p in _splits(replicas) if p > 0]),
-                     key=Candidate.key)
+    # one round: colocated, and the always-remote cluster at its own best split (the coarser grid)
+    chunk = best.shape.chunk_tokens
+    colocated, *remotes = run([shape(0, chunk)] + [shape(p, chunk, False) for p in _splits(replicas, REMOTE_POINTS)
+                                                   if p > 0])
+    remote = max(remotes, key=Candidate.key) if remotes else None
     return RatePlan(rate, best, remote, colocated, len(seen))
 
 
