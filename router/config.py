@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.loading.bundled import DEFAULT_MODEL
 from engine.sampling.choices import MAX_CHOICES
+from router.objectives import Objectives
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class RouterConfig:
     ready_timeout_s: float = 5.0  # each pool's ready() call behind /ready
     max_inflight_requests: int | None = None  # generations in flight on this replica; past it 429 (None: no bound)
     max_choices: int = MAX_CHOICES  # n per request (the cluster: no more than a decode replica runs at once)
+    objectives: Objectives = field(default_factory=Objectives)  # TTFT/TPOT per request class (empty: none)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
