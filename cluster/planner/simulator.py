@@ -213,13 +213,13 @@ class _Sim:
             return
         out = d.sched.schedule()
         for s in out.failed:  # outgrew the pool: it ends unfinished (missed)
-            self._done(d, self.reqs[s.request_id])
+            self._done(d, self.reqs[s.seq_id])
         for s in out.admitted:
-            r = self.reqs[s.request_id]
+            r = self.reqs[s.seq_id]
             if r.path is Path.LOCAL:
                 d.local.append(r)
             else:
-                self.at(self.now + self.fp.transfer_s(r.a.prompt_tokens), "transfer_done", i, s.request_id)
+                self.at(self.now + self.fp.transfer_s(r.a.prompt_tokens), "transfer_done", i, s.seq_id)
         batch = len(out.decode)
         ctx = sum(s.num_tokens for s in out.decode)
         grants: list[int] = []
@@ -233,7 +233,7 @@ class _Sim:
         if batch == 0 and not any(grants):
             return  # idle until a transfer, an arrival or a finished prefill wakes it
         reqs = self.reqs
-        d.step = ([reqs[s.request_id] for s in out.decode], [(r, g) for r, g in zip(d.local, grants, strict=True) if g])
+        d.step = ([reqs[s.seq_id] for s in out.decode], [(r, g) for r, g in zip(d.local, grants, strict=True) if g])
         d.busy = True
         self.at(self.now + self.fp.step.step_s(batch, ctx, sum(grants)), "step_end", i)
 
