@@ -8,6 +8,7 @@ Token 0 is the reference's either way."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from pathlib import Path
 
@@ -134,3 +135,9 @@ async def test_a_job_due_first_without_blocks_waits_while_the_one_holding_them_a
     out = await pd.results()
     for rid, prompt in (("long", long), ("short", short)):
         assert out[rid].choices[0].token_id == reference(ref_engine, prompt, PARAMS)[0]
+
+
+@pytest.mark.parametrize("deadline", [math.inf, math.nan])
+def test_a_deadline_is_a_finite_time(deadline: float) -> None:
+    with pytest.raises(ValueError, match="ttft_deadline must be a finite time"):
+        PrefillRequest("r", (5, 6), PARAMS, ttft_deadline=deadline)
