@@ -2,8 +2,9 @@
 
 Owns: `grant_tokens`, the split of one forward's token budget among the admitted prompts, and
 `wants_more`, the admission bound (admit while the admitted jobs cannot fill the budget).
-`prefill_worker.worker.PrefillWorker` admits jobs in FIFO order as KV blocks allow, then asks for
-the grants (budget ``max_batch_tokens``, cap ``max_chunk_tokens``); a colocated
+`prefill_worker.worker.PrefillWorker` admits jobs as KV blocks allow, in FIFO order (in `grant_order`'s
+when its jobs carry TTFT deadlines), then asks for the grants (budget ``max_batch_tokens``, cap
+``max_chunk_tokens``, the deadlines when there are any); a colocated
 `decode_worker.worker.DecodeWorker` asks for the grants of the prompts its scheduler admitted
 (budget and cap ``prefill_chunk_size``, or every prompt whole).
 

@@ -10,6 +10,7 @@ the decode side pulls or releases them, or the lease ends.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.sampling.prompt_logprobs import PromptLogprobs
@@ -29,10 +30,16 @@ class PrefillRequest:
     # request takes no prefix-cache hit (a cached prefix has no logits) but still publishes its blocks
     prompt_logprobs: int | None = None
     n: int = 1  # choices: the prompt is prefilled once, token 0 sampled once per choice
+    # when token 0 is due: arrival + its objective class's TTFT objective, on the router's wall clock (the
+    # clock of ``arrival_time``; `router.request_objective`); None: no objectives are configured. The
+    # worker only compares deadlines with one another (`engine.prefill_planner.grant_order`)
+    ttft_deadline: float | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.ttft_deadline is not None and not math.isfinite(self.ttft_deadline):
+            raise ValueError(f"ttft_deadline must be a finite time, got {self.ttft_deadline}")
 
 
 @dataclass(frozen=True)

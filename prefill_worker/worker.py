@@ -3,17 +3,20 @@
 Life cycle of a request (each name is a queue or a state in this file):
 
 1. ``prefill(req)`` checks the length and the queue bound, then appends a `_Job` to ``waiting``.
-2. The step loop admits jobs from ``waiting`` in FIFO order, while the admitted ones cannot fill
-   the step's budget. On admission a job matches its prompt against the prefix cache
-   (``pool.match_prefix``, salted by the prompt's RoPE table: `Engine.prefix_salt`; not a job that
-   asks for prompt log-probs, which needs every position's logits) and reserves blocks for the rest
-   of the prompt; a job that does not fit
-   waits at the head (blocks come back as the outbox drains) — FIFO, so a long prompt is never
-   overtaken forever.
+2. The step loop admits jobs from ``waiting`` in order — FIFO, or, when any job carries a TTFT
+   deadline (``PrefillRequest.ttft_deadline``), earliest deadline first
+   (`engine.prefill_planner.grant_order`; a job without one after every job with one) — while the
+   admitted ones cannot fill the step's budget. On admission a job matches its prompt against the
+   prefix cache (``pool.match_prefix``, salted by the prompt's RoPE table: `Engine.prefix_salt`; not
+   a job that asks for prompt log-probs, which needs every position's logits) and reserves blocks
+   for the rest of the prompt; the first job in the order that does not fit waits (blocks come back
+   as the outbox drains) and no later job is newly admitted past it, so a long prompt is never
+   overtaken forever; jobs admitted before, which already hold their blocks, still advance.
 3. Each step packs chunks of the admitted jobs into one forward under ``max_batch_tokens``
-   (`engine.prefill_planner`): the oldest job first, then shortest-remaining first, no job more than
-   ``max_chunk_tokens`` per step — a long prompt is prefilled over several steps (chunked prefill)
-   and short prompts pass it between its chunks; several short prompts share one forward. A job
+   (`engine.prefill_planner`): the oldest job (with deadlines: the earliest due) first, then
+   shortest-remaining first (earliest due), no job more than ``max_chunk_tokens`` per step — a long
+   prompt is prefilled over several steps (chunked prefill) and short prompts pass it between its
+   chunks; several short prompts share one forward. A job
    that asks for prompt log-probs has each chunk's scored in the same forward (`engine.sampling.prompt_logprobs`).
 4. After its last chunk a job samples token 0 (``n`` choices: one token 0 per choice, each from
    the same logits with its choice's seed, `engine.sampling.choices`), registers its full blocks in the
@@ -39,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections import deque
@@ -50,7 +54,7 @@ import torch
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.load_report import LoadReport
-from engine.prefill_planner import grant_tokens, wants_more
+from engine.prefill_planner import grant_order, grant_tokens, wants_more
 from engine.runner import PrefillChunk
 from engine.sampling.choices import choice_params
 from engine.sampling.grammar import GrammarError, GrammarVocab, load_grammar
@@ -224,28 +228,37 @@ class PrefillWorker:
         return scored, firsts
 
     def _plan(self) -> tuple[list[PrefillChunk], list[_Job]]:
-        """Pick this step's chunks: admit FIFO as blocks allow, split the budget (`engine.prefill_planner`)."""
+        """Pick this step's chunks: admit in order as blocks allow, split the budget (`engine.prefill_planner`)."""
         budget = self.config.max_batch_tokens
         cap = min(self.config.max_chunk_tokens or budget, budget)
         pool = self.engine.pool
+        order = list(self.waiting)
+        deadlines = _deadlines(order)
+        if deadlines is not None:  # earliest deadline first; FIFO otherwise
+            order = [order[i] for i in grant_order([j.remaining for j in order], deadlines)]
         admitted: list[_Job] = []
-        for job in self.waiting:
+        blocked = False  # a job found no blocks: nobody after it is newly admitted (it is never overtaken)
+        for job in order:
             if not wants_more([j.remaining for j in admitted], budget, cap):
                 break
             if not job.blocks:
+                if blocked:
+                    continue
                 reuse = self.engine.config.enable_prefix_cache and job.req.prompt_logprobs is None
                 hit = pool.match_prefix(job.prompt[:-1], self.engine.prefix_salt(len(job.prompt))) if reuse else []
                 need = self.engine.blocks_for(len(job.prompt)) - len(hit)
                 if not pool.can_allocate(need):
                     pool.free(hit)
-                    break  # FIFO: the head waits for blocks, nobody overtakes it
+                    blocked = True  # jobs holding blocks still advance (and free theirs)
+                    continue
                 job.blocks = hit + pool.allocate(need)
                 job.num_cached = job.computed = len(hit) * self.engine.block_size
                 job.started = time.monotonic()
             admitted.append(job)
         chunks: list[PrefillChunk] = []
         jobs: list[_Job] = []
-        for job, n in zip(admitted, grant_tokens([j.remaining for j in admitted], budget, cap), strict=True):
+        grants = grant_tokens([j.remaining for j in admitted], budget, cap, _deadlines(admitted))
+        for job, n in zip(admitted, grants, strict=True):
             if n == 0:
                 continue
             chunks.append(PrefillChunk(job.prompt[job.computed : job.computed + n], job.computed, job.blocks,
@@ -329,3 +342,11 @@ class PrefillWorker:
             job.blocks = []
         if not job.future.done():
             job.future.set_exception(exc)
+
+
+def _deadlines(jobs: Sequence[_Job]) -> list[float] | None:
+    """Each job's TTFT deadline, or None when no job has one (then the order is FIFO); a job without
+    one (a router without objectives) counts as due after every job that has one."""
+    if all(j.req.ttft_deadline is None for j in jobs):
+        return None
+    return [math.inf if j.req.ttft_deadline is None else j.req.ttft_deadline for j in jobs]

@@ -37,6 +37,7 @@ Served fields (both endpoints unless marked):
 | skip_special_tokens, include_stop_str_in_output | vLLM's extensions, as vLLM defines them |
 | response_format | text, json_object, json_schema (always enforced) by llguidance; uncompilable: 400 |
 | tools, tool_choice, parallel_tool_calls (chat) | function tools; none, auto, required, named: `router.tools` |
+| slo_class | pdserve's: the objective class it is judged by (else by prompt length); not configured: 400 |
 """
 
 from __future__ import annotations

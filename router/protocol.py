@@ -86,6 +86,8 @@ class GenerationRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # per prompt position: the token's and k more
+    # pdserve's: the objective class this request is judged by (`router.request_objective`); None: by prompt length
+    slo_class: str | None = None
 
     @field_validator("prompt_logprobs")
     @classmethod
