@@ -24,7 +24,7 @@ from engine.attention.cpu_decode import DecodeGroups, decode_groups, grouped_att
 from engine.attention.ops import prefill_attention, write_kv
 from engine.batch import DecodeBatch, PrefillBatch
 from engine.config import EngineConfig
-from engine.kernels.attention_choice import AttentionChoice, choose_decode_attention
+from engine.kernels.attention_choice import AttentionChoice, remembered_decode_attention
 from engine.kernels.cpu_linears import native_step_for, swap_cpu_linears
 from engine.kernels.gathered_decode import Workspace
 from engine.kernels.kernel_choice import KernelChoice
@@ -65,7 +65,7 @@ class CpuBackend(AttentionBackend):
     def __init__(self, spec: AttentionSpec, config: EngineConfig) -> None:
         super().__init__(spec, config)
         self.native_rope = spec.head_dim <= MAX_HEAD_DIM and native_rope_error() is None
-        self.choice: AttentionChoice = choose_decode_attention(
+        self.choice: AttentionChoice = remembered_decode_attention(
             spec.num_heads, spec.num_kv_heads, spec.head_dim, config.decode_attention, spec.device, spec.dtype,
             softcap=spec.softcapped)
         self.ws = Workspace()

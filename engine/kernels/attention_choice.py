@@ -17,6 +17,11 @@ the steps up to the geometric mean of the two sizes' rows (`AttentionChoice.meth
 candidates when ``allow_compiled`` and they build and run (the compiled one's first call compiles
 it); a failure (no C++ compiler, an inductor error) is logged and leaves the others.
 
+Once per process: an engine's backend asks `remembered_decode_attention`, which times each head
+geometry, dtype and torch thread count the first time it is asked and hands the same choice to every
+later engine of that shape (a process holding several engines, as tests and benchmarks do, would
+otherwise measure the same machine again for each).
+
 Invariants: every method computes the same attention up to float reassociation (tested against
 the reference `attention.decode_attention`), so the choice changes speed only; a pinned method is
 never timed (a pinned ``"compiled"`` is tried once and refused with the reason if it cannot run);
@@ -185,3 +190,21 @@ def choose_decode_attention(heads: int, kv_heads: int, head_dim: int, mode: str 
         return AttentionChoice(large, ms)
     rows = [math.prod(int(x) for x in k.split("x")) for k in (sizes[0], sizes[-1])]
     return AttentionChoice(large, ms, small_method=small, split_rows=int(math.sqrt(rows[0] * rows[1])))
+
+
+#: the "auto" choices made in this process: (heads, kv_heads, head_dim, dtype, softcap, torch threads) → choice
+_REMEMBERED: dict[tuple[int, int, int, torch.dtype, bool, int], AttentionChoice] = {}
+
+
+def remembered_decode_attention(heads: int, kv_heads: int, head_dim: int, mode: str = "auto",
+                                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                                softcap: bool = False) -> AttentionChoice:
+    """`choose_decode_attention`, its CPU timing done once per process for each head geometry, dtype and
+    torch thread count (what the timings depend on here); pinned modes and other devices go straight
+    through."""
+    if mode != "auto" or torch.device(device).type != "cpu":
+        return choose_decode_attention(heads, kv_heads, head_dim, mode, device, dtype, softcap=softcap)
+    key = (heads, kv_heads, head_dim, dtype, softcap, torch.get_num_threads())
+    if key not in _REMEMBERED:
+        _REMEMBERED[key] = choose_decode_attention(heads, kv_heads, head_dim, mode, device, dtype, softcap=softcap)
+    return _REMEMBERED[key]

@@ -1,7 +1,7 @@
 """The real stack on a real local Ray Serve: bundled SmolLM2, real replicas, KV over gloo.
 
-One Ray cluster for the module with two apps: ``/pd`` (1 prefill + 1 decode replica) and ``/colo``
-(the colocated baseline). Oracles: the reference `generate()` in this process for greedy text, the
+Two apps on the package's Ray cluster (tests/e2e/conftest.py): ``/pd`` (1 prefill + 1 decode replica)
+and ``/colo`` (the colocated baseline). Oracles: the reference `generate()` in this process for greedy text, the
 tokenizer for usage counts, the official `openai` client for the API.
 """
 
@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
-import ray
 from ray import serve
 
 from cluster.app import compose_app
@@ -28,8 +26,8 @@ from engine.loading.bundled import DEFAULT_MODEL, prepare_model
 from engine.sampling.grammar import GrammarSpec
 from engine.sampling.sampler import SamplingParams
 from engine.tokenizer import Tokenizer
-from loadtests.bench_common import free_port
 from tests.support.prompt_logprobs_oracle import hf_prompt_logprobs
+from tests.support.serve_harness import deploy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -58,19 +56,11 @@ def _args(mode: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
+def cluster(serve_base: str) -> Iterator[str]:
     prepare_model(DEFAULT_MODEL, progress=False)
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(compose_app(ClusterConfig.from_args(_args("disaggregated"))), name="pd", route_prefix="/pd")
-        serve.run(compose_app(ClusterConfig.from_args(_args("colocated"))), name="colo", route_prefix="/colo")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with deploy(compose_app(ClusterConfig.from_args(_args("disaggregated"))), "pd", serve_base), \
+            deploy(compose_app(ClusterConfig.from_args(_args("colocated"))), "colo", serve_base):
+        yield serve_base
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
 """`engine.kernels.attention_choice`: the decode attention method, timed at load or pinned.
 
 That every method computes the reference attention is `test_fast_paths`'s job; here: what gets
-timed, what wins, what happens when the compiled method cannot run, what is refused, that
-`EngineConfig.decode_attention` reaches the model, and that a compiled engine never compiles
-again once loaded, whatever the step's batch size or context length.
+timed (and that a process times each shape once), what wins, what happens when the compiled method
+cannot run, what is refused, that `EngineConfig.decode_attention` reaches the model, and that a
+compiled engine never compiles again once loaded, whatever the step's batch size or context length.
 """
 
 from __future__ import annotations
@@ -44,6 +44,37 @@ def test_auto_times_every_method_at_every_size_and_picks_the_fastest(monkeypatch
     got = choose_decode_attention(6, 2, 16)
     assert got.method == DECODE_METHODS[-1] and got.ms == fake
     assert got.summary().startswith(f"{DECODE_METHODS[-1]} (ms at 2x48/4x96:")
+
+
+def test_an_engine_times_each_shape_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines of one head geometry, dtype and thread count share one timing; any of those changed, or a
+    mode pinned, and the choice is its own."""
+    timed: list[tuple[int, int, int]] = []
+
+    def fake(heads: int, kv_heads: int, head_dim: int, *a: object, **k: object) -> dict[str, dict[str, float]]:
+        timed.append((heads, kv_heads, head_dim))
+        return {m: {"2x48": 1.0 + i, "4x96": 1.0 + i} for i, m in enumerate(GATHERED_METHODS)}
+
+    monkeypatch.setattr(attention_choice, "_REMEMBERED", {})
+    monkeypatch.setattr(attention_choice, "compiled_error", lambda *a: "not here")
+    monkeypatch.setattr(attention_choice, "native_error", lambda: "not here")
+    monkeypatch.setattr(attention_choice, "time_methods", fake)
+    remembered = attention_choice.remembered_decode_attention
+    first = remembered(6, 2, 16)
+    assert first.method == GATHERED_METHODS[0] and remembered(6, 2, 16) is first and timed == [(6, 2, 16)]
+    remembered(6, 2, 32)
+    remembered(6, 2, 16, dtype=torch.bfloat16)
+    remembered(6, 2, 16, softcap=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        remembered(6, 2, 16)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(timed) == 5
+    assert remembered(6, 2, 16, "per_head") == AttentionChoice("per_head")
+    assert remembered(6, 2, 16, "auto", "meta") == AttentionChoice("sdpa")
+    assert len(timed) == 5
 
 
 def test_short_and_long_steps_can_get_different_methods(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,6 @@ package; each module deploys its own apps under its own route prefixes and delet
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,25 +41,11 @@ def background_soak(request: pytest.FixtureRequest, tiny_model: str,
 @pytest.fixture(scope="package")
 def serve_base() -> Iterator[str]:
     """``http://127.0.0.1:<port>`` of a Serve proxy on a Ray cluster of this package's own."""
-    import ray
-    from ray import cloudpickle, serve
-
-    from loadtests.bench_common import free_port
     from tests.support import journaled_replicas, pd_fakes, stuck_pools
+    from tests.support.serve_harness import local_serve
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    for module in (pd_fakes, journaled_replicas, stuck_pools):
-        cloudpickle.register_pickle_by_value(module)
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+    with local_serve(pd_fakes, journaled_replicas, stuck_pools) as base:
+        yield base
 
 
 @pytest.fixture(scope="package")

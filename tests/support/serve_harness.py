@@ -1,9 +1,9 @@
-"""Apps on a local Serve for the reliability tests: app configs, streaming clients, metrics, process books.
+"""Apps on a local Serve for the reliability and e2e tests: app configs, streaming clients, metrics, process books.
 
-Owns: `cluster_args` (a small `ClusterConfig` ``args:`` mapping for the tiny model), `deploy` (one
-Serve app under its own route prefix, deleted afterwards), `stream_request` (one SSE request read
-by raw httpx, with every failure mode kept as data rather than raised), `parse_metrics`, and
-`listening_sockets` (what a process listens on).
+Owns: `cluster_args` (a small `ClusterConfig` ``args:`` mapping for the tiny model), `local_serve` (a
+Ray cluster and Serve proxy for a test package), `deploy` (one Serve app under its own route prefix,
+deleted afterwards), `stream_request` (one SSE request read by raw httpx, with every failure mode
+kept as data rather than raised), `parse_metrics`, and `listening_sockets` (what a process listens on).
 
 Invariants: nothing here leaves a process, app or connection behind on failure; every wait has a
 deadline.
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -47,6 +49,31 @@ def cluster_args(model: str, *, prefill: dict[str, Any] | None = None, decode: d
     if mode == "disaggregated":
         args["prefill"] = {**pool, **(prefill or {})}
     return args
+
+
+@contextmanager
+def local_serve(*by_value: ModuleType) -> Iterator[str]:
+    """A Ray cluster of this process's own (``address="local"``: never one somebody else started on this
+    machine) with a Serve HTTP proxy on a free 127.0.0.1 port; yields the proxy's base URL and shuts both
+    down after. ``by_value``: test-support modules the replicas unpickle by value (not importable there)."""
+    import ray
+    from ray import cloudpickle
+
+    from loadtests.bench_common import free_port
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    for module in by_value:
+        cloudpickle.register_pickle_by_value(module)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
 
 
 @contextmanager
