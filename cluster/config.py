@@ -187,7 +187,8 @@ class ClusterConfig(_Section):
                             max_step_tokens=max_step_tokens,
                             max_num_seqs=pool.max_num_seqs, max_model_len=self.limits.max_model_len,
                             enable_prefix_cache=e.enable_prefix_cache, backend=e.backend,
-                            cuda_graphs=e.cuda_graphs, num_threads=pool.num_threads or e.num_threads,
+                            cuda_graphs=e.cuda_graphs, decode_attention=e.decode_attention,
+                            num_threads=pool.num_threads or e.num_threads,
                             cpu_affinity=tuple(pool.cpu_affinity or ()))
 
     def _kv(self) -> KVTransferConfig:

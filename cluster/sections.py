@@ -53,6 +53,8 @@ class EngineSection(_Section):
     # attention backend (`engine.attention.registry`): auto = cpu on a CPU, torch on a GPU
     backend: Literal["auto", "reference", "cpu", "torch"] = "auto"
     cuda_graphs: bool = EngineConfig.cuda_graphs  # the torch backend's decode steps as CUDA graphs (CUDA only)
+    # the cpu backend's decode attention method (`engine.kernels.attention_choice`): auto = timed at load
+    decode_attention: Literal["auto", "sdpa", "per_head", "block_diagonal", "compiled", "native"] = "auto"
     # the KV cache's memory (`engine.kv_budget`): bytes (an int), or a float in (0, 1]: the engine's share of
     # the device's total memory, weights and peak step included; unset: 0.9 on CUDA, none on a CPU
     kv_cache_memory: int | float | None = EngineConfig.kv_cache_memory
@@ -66,6 +68,14 @@ class EngineSection(_Section):
         if v != "cpu" and v != "cuda" and not v.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _attention_for_cpu(self) -> EngineSection:
+        cpu = self.backend == "cpu" or (self.backend == "auto" and self.device == "cpu")
+        if self.decode_attention != "auto" and not cpu:
+            raise ValueError(f"decode_attention={self.decode_attention!r} is the cpu backend's choice; "
+                             f"backend {self.backend!r} on {self.device!r} does not use it")
+        return self
 
 
 class _Pool(_Section):

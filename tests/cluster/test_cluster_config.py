@@ -225,3 +225,11 @@ def test_stream_interval_reaches_the_decode_worker_and_is_bounded() -> None:
     assert ClusterConfig.from_args({}, NO_ENV).decode_worker_config().stream_interval == 1
     with pytest.raises(ConfigError, match="stream_interval"):
         ClusterConfig.from_args({"decode": {"stream_interval": 0}}, NO_ENV)
+
+
+def test_decode_attention_reaches_the_engine_and_is_refused_where_unused() -> None:
+    cfg = ClusterConfig.from_args({"engine": {"decode_attention": "sdpa"}}, NO_ENV)
+    assert cfg.decode_worker_config().engine.decode_attention == "sdpa"
+    assert cfg.prefill_worker_config().engine.decode_attention == "sdpa"
+    with pytest.raises(ConfigError, match="decode_attention='sdpa' is the cpu backend's choice"):
+        ClusterConfig.from_args({"engine": {"decode_attention": "sdpa", "backend": "torch"}}, NO_ENV)

@@ -28,7 +28,7 @@ def app_args(model: Path, **decode: Any) -> dict[str, Any]:
     """The tests' cluster config: every pool pinned to its node group."""
     return {
         "model": str(model), "served_model_name": "tiny", "mode": "disaggregated",
-        "engine": {"device": "cpu", "dtype": "float32", "block_size": 16, "num_threads": 1},
+        "engine": {"device": "cpu", "dtype": "float32", "block_size": 16, "num_threads": 1, "decode_attention": "sdpa"},
         "prefill": {"num_cpus": 0.3, "num_blocks": 256, "max_batch_tokens": 1024,
                     "placement": {"resources": {"prefill_node": 0.01},
                                   "label_selector": {"pdserve.io/pool": "prefill"}},

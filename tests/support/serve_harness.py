@@ -40,7 +40,7 @@ def cluster_args(model: str, *, prefill: dict[str, Any] | None = None, decode: d
         "model": model,
         "served_model_name": "tiny",
         "mode": mode,
-        "engine": {"dtype": "float32", "block_size": 16, "num_threads": 1},
+        "engine": {"dtype": "float32", "block_size": 16, "num_threads": 1, "decode_attention": "sdpa"},
         "decode": {**pool, **(decode or {})},
         "router": {"num_replicas": 1, "num_cpus": 0.05, "routing_stats_period_s": 0.5, **(router or {})},
         "kv": {"transport": "gloo", "host": "127.0.0.1", "secret": SECRET, "lease_s": 30, **(kv or {})},
