@@ -49,9 +49,11 @@ from engine.sampling.sampler import SamplingParams, TopLogprobs
 from kv_transfer.handle import KVHandle
 from prefill_worker.types import PrefillRequest
 from router.admission import Admission
-from router.backends import Backends, TokenTimeoutError
+from router.backends import Backends
 from router.codec import Detokenizer, TextCodec
+from router.lanes import Lane, Lanes
 from router.metrics import RouterMetrics
+from router.migration import DecodeLost, continuation, continuation_id, continuation_prefill
 from router.stops import StopMatcher
 
 logger = logging.getLogger("pdserve.router")
@@ -93,6 +95,7 @@ class _Choice:
     detok: Detokenizer
     stops: StopMatcher
     num_tokens: int = 0
+    sent: list[int] = field(default_factory=list)  # every token sent (token 0 first): what a continuation carries
     finish_reason: str | None = None
     last_sent: float | None = None  # for its inter-token latency
 
@@ -118,8 +121,9 @@ class Generation:
     """Streams one request (see the module docstring)."""
 
     def __init__(self, backends: Backends, codec: TextCodec, metrics: RouterMetrics,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, migration_limit: int = 3) -> None:
         self._backends = backends
+        self._migration_limit = migration_limit
         self._codec = codec
         self._metrics = metrics
         self._admission = admission or Admission(None)
@@ -131,13 +135,13 @@ class Generation:
         if not inp.sampling.ignore_eos:
             stop_ids |= frozenset(self._codec.eos_token_ids)
         self._admission.enter()  # 429 now, before any token, if this replica is at its bound
-        unclaimed = None  # a handle no decode replica has answered for yet: released if we end here
+        lanes = Lanes(self._backends)
         try:
             firsts: dict[int, int | None] = dict.fromkeys(range(inp.n))  # choice → token 0 (colocated: None)
             handle = None
             if self._backends.disaggregated:
                 result = await self._backends.prefill(self._prefill_request(inp, scored=True))
-                handle = unclaimed = result.handle  # released if we end before a decode replica has it
+                handle = result.handle
                 self._metrics.queue.observe(result.timings.queue_s)
                 self._metrics.prefill.observe(result.timings.prefill_s)
                 for i, ft in enumerate(result.first_tokens()):
@@ -149,50 +153,86 @@ class Generation:
                     yield self._sent(st, delta)
                     firsts[i] = ft.token_id
                 if st.finished:
+                    if handle is not None:
+                        self._backends.release(handle)
                     return
-            req = self._decode_request(inp, st, firsts, handle)
-            rebuilds = 1 if handle is not None else 0  # times the prompt's KV may be prefilled again
-            while True:
-                lost: str | None = None
-                async with self._backends.generate(req) as events:
-                    async for ev in events:
-                        unclaimed = None  # the decode replica has it: it pulls, releases or requeues
-                        if ev.finish_reason == "error":
-                            if ev.error_code == KV_LOST and rebuilds and not st.decoded:
-                                lost = ev.error or "KV lost"
-                                break
-                            raise StreamError(ev.error or "the decode pool failed this request")
-                        if ev.timings is not None and not st.timed:
-                            st.timed = True
-                            self._record_timings(ev.timings)
-                        choice = st.choices[ev.index]
-                        if choice.finish_reason is not None:
-                            continue  # ended here (a stop string): the replica runs it until all end
-                        st.decoded = st.decoded or bool(ev.token_ids)
-                        delta = self._advance(choice, inp, stop_ids, ev.token_ids, _logprobs(ev),
-                                              ev.top_logprobs or (), ev.finish_reason)
-                        delta = dataclasses.replace(delta, index=ev.index)
-                        if handle is None and st.first_sent is None:  # colocated: token 0's event
-                            delta = _with_prompt_logprobs(delta, inp, ev.prompt_logprobs)
-                        yield self._sent(st, delta)
-                        if st.finished:
-                            return
-                if lost is None:
-                    break
-                rebuilds -= 1
-                if req.handle is not None:
-                    self._backends.release(req.handle)  # if its source still holds it (e.g. requeued)
-                req = await self._prefill_again(inp, req, lost)
-                unclaimed = req.handle
+            rebuild = self._prefill_request(inp) if handle is not None else None
+            lanes.start(Lane(self._decode_request(inp, st, firsts, handle), rebuild))
+            migrations = 0
+            while lanes:
+                lane, ev = await lanes.next()
+                if isinstance(ev, DecodeLost):
+                    lanes.abandon(lane)
+                    migrations += 1
+                    for new in await self._migrate(inp, st, lane, ev, migrations):
+                        lanes.start(new)
+                    continue
+                if isinstance(ev, Exception):
+                    raise ev
+                if ev is None:
+                    if any(st.choices[i].finish_reason is None for i in lane.indices):
+                        raise StreamError("the decode stream ended without a finish reason")
+                    continue
+                lane.claimed = True  # the decode replica has it: it pulls, releases or requeues
+                if ev.finish_reason == "error":
+                    if ev.error_code == KV_LOST and lane.rebuild is not None and not lane.decoded:
+                        lanes.stop(lane)
+                        assert lane.handle is not None
+                        self._backends.release(lane.handle)  # if its source still holds it (e.g. requeued)
+                        lanes.start(await self._prefill_again(lane, ev.error or "KV lost"))
+                        continue
+                    raise StreamError(ev.error or "the decode pool failed this request")
+                if ev.timings is not None and not st.timed:
+                    st.timed = True
+                    self._record_timings(ev.timings)
+                choice = st.choices[ev.index]
+                if choice.finish_reason is not None:
+                    continue  # ended here (a stop string): the replica runs it until all end
+                lane.decoded = lane.decoded or bool(ev.token_ids)
+                delta = self._advance(choice, inp, stop_ids, ev.token_ids, _logprobs(ev),
+                                      ev.top_logprobs or (), ev.finish_reason)
+                delta = dataclasses.replace(delta, index=ev.index)
+                if handle is None and st.first_sent is None:  # colocated: token 0's event
+                    delta = _with_prompt_logprobs(delta, inp, ev.prompt_logprobs)
+                yield self._sent(st, delta)
+                if st.finished:
+                    return
+                if all(st.choices[i].finish_reason is not None for i in lane.indices):
+                    lanes.stop(lane)  # its choices ended here (stop strings): it need run no further
             if not st.finished:
                 raise StreamError("the decode stream ended without a finish reason")
-        except TokenTimeoutError as e:
-            raise StreamError(str(e)) from None
         finally:
-            if unclaimed is not None:  # client gone, decode refused or unreachable: free it now
-                self._backends.release(unclaimed)
+            lanes.close()  # client gone, decode refused or unreachable: streams cancelled, handles freed
             self._admission.leave()
             self._finish(st, inp)
+
+    async def _migrate(self, inp: GenerationInput, st: _State, lane: Lane, lost: DecodeLost,
+                       attempt: int) -> list[Lane]:
+        """``lane``'s decode replica went away: a continuation of each of its choices still going,
+        each on its own (`router.migration`); past ``migration_limit`` the request fails."""
+        live = [i for i in lane.indices if st.choices[i].finish_reason is None]
+        if attempt > self._migration_limit:
+            raise StreamError(f"{lost} (the request was moved {attempt - 1} times already; "
+                              f"migration_limit is {self._migration_limit})")
+        self._metrics.migrations.labels(reason=lost.reason).inc()
+        logger.warning("decode stream of %s lost (%s: %s); continuing choices %s elsewhere (migration %d)",
+                       inp.request_id, lost.reason, lost, live, attempt)
+        out = []
+        for i in live:
+            sent = tuple(st.choices[i].sent)
+            rid = continuation_id(inp.request_id, attempt, i)
+            if not sent:  # colocated, before token 0: the choice as it was asked
+                out.append(Lane(DecodeRequest(rid, inp.prompt_token_ids, inp.sampling, arrival_time=inp.arrival_time,
+                                              choices=(DecodeChoice(i),), prompt_logprobs=inp.prompt_logprobs)))
+                continue
+            handle, rebuild = None, None
+            if self._backends.disaggregated:
+                rebuild = continuation_prefill(rid, inp.prompt_token_ids, sent, inp.arrival_time)
+                handle = await self._kv_for(rebuild, str(lost))
+            self._metrics.migrated_tokens.inc(len(inp.prompt_token_ids) + len(sent) - 1)
+            out.append(Lane(continuation(rid, inp.prompt_token_ids, inp.sampling, i, sent, handle,
+                                         inp.arrival_time), rebuild))
+        return out
 
     @staticmethod
     def _prefill_request(inp: GenerationInput, scored: bool = False) -> PrefillRequest:
@@ -212,16 +252,21 @@ class Generation:
                              arrival_time=inp.arrival_time, choices=() if one else live,
                              prompt_logprobs=None if handle is not None else inp.prompt_logprobs)
 
-    async def _prefill_again(self, inp: GenerationInput, req: DecodeRequest, why: str) -> DecodeRequest:
-        """The decode pool could not pull the prompt's KV (its prefill replica died after answering,
+    async def _prefill_again(self, lane: Lane, why: str) -> Lane:
+        """The decode pool could not pull the lane's KV (its prefill replica died after answering,
         or the lease ran out while the request queued): prefill it again, on whichever replica
-        Serve picks, and resubmit with the new handle. The client already has every choice's
-        token 0, so the request keeps those tokens whatever the new prefill samples; only its KV is used."""
-        logger.warning("KV of %s was lost before decode (%s); prefilling again", inp.request_id, why)
-        result = await self._backends.prefill(self._prefill_request(inp))
+        Serve picks, and resubmit with the new handle (once). The client already has every token
+        sent, so the request keeps them whatever the new prefill samples; only its KV is used."""
+        logger.warning("KV of %s was lost before decode (%s); prefilling again", lane.req.request_id, why)
+        assert lane.rebuild is not None
+        handle = await self._kv_for(lane.rebuild, why)
+        return Lane(dataclasses.replace(lane.req, handle=handle))
+
+    async def _kv_for(self, req: PrefillRequest, why: str) -> KVHandle:
+        result = await self._backends.prefill(req)
         if result.handle is None:
-            raise StreamError(f"the prompt's KV was lost ({why}) and could not be rebuilt")
-        return dataclasses.replace(req, handle=result.handle)
+            raise StreamError(f"the KV was lost ({why}) and could not be rebuilt")
+        return result.handle
 
     def _advance(
         self,
@@ -241,6 +286,7 @@ class Generation:
         kept_tops: list[TopLogprobs] = []
         for i, tid in enumerate(token_ids):
             st.num_tokens += 1
+            st.sent.append(tid)
             kept_ids.append(tid)
             kept_lps.append(logprobs[i] if i < len(logprobs) else None)
             kept_tops.append(tops[i] if i < len(tops) else ())

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from router import loadboard
+from router.migration import MIGRATION_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -105,6 +106,12 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.", registry=r)
         self.success = Counter("pdserve:request_success", "Requests finished, by finish reason.",
                                ["finish_reason"], registry=r)
+        self.migrations = Counter("pdserve:router_migrations", "Decode streams moved to another decode replica "
+                                  "mid-request (router.migration), by reason.", ["reason"], registry=r)
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(reason=reason)  # every reason reads 0 before its first
+        self.migrated_tokens = Counter("pdserve:router_migration_recomputed_tokens", "Tokens whose KV a "
+                                       "migration built again (prompt and tokens sent but the last).", registry=r)
         self.in_flight = Gauge("pdserve:router_requests_in_flight",
                                "Generations this router replica has admitted and not yet finished.", registry=r)
         r.register(LoadReportCollector(load_deployments))

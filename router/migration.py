@@ -14,14 +14,13 @@ of ``max_tokens``; the choice's index keeps its seed. The router's own detokeniz
 strings never stopped, so the client's stream only pauses.
 
 Invariants: each live choice moves as its own continuation (choices differ past token 0, so they
-share no KV), under its own decode request id (``<request id>~m<k>.<index>``: a replica that hung
+share no KV), under its own decode request id (``<request id>:m<k>.<index>``: a replica that hung
 and wakes may still hold the old id); the prompt is prefilled with settings that cannot end it at
 token 0 (no stop ids, one decode token's room), and that token is ignored.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from decode_worker.types import DecodeChoice, DecodeRequest
@@ -48,7 +47,7 @@ class DecodeLost(Exception):
 
 def continuation_id(request_id: str, attempt: int, index: int) -> str:
     """The decode request id of choice ``index``'s continuation number ``attempt`` (from 1)."""
-    return f"{request_id}~m{attempt}.{index}"
+    return f"{request_id}:m{attempt}.{index}"
 
 
 def continuation_prefill(request_id: str, prompt: Sequence[int], generated: Sequence[int],
@@ -73,8 +72,3 @@ def continuation(request_id: str, prompt: Sequence[int], sampling: SamplingParam
     choice = DecodeChoice(index, generated[0], tuple(generated[1:]))
     return DecodeRequest(request_id=request_id, prompt_token_ids=tuple(prompt), sampling=sampling,
                          handle=handle, arrival_time=arrival_time, choices=(choice,))
-
-
-def with_handle(req: DecodeRequest, handle: KVHandle) -> DecodeRequest:
-    """``req`` with its KV at ``handle`` instead."""
-    return dataclasses.replace(req, handle=handle)
