@@ -20,6 +20,13 @@ therefore books its tokens on the chosen replica at once (a *tentative* entry); 
 moves them to the replica that really took the request, and a tentative entry never confirmed (the
 caller gave up) expires after `TENTATIVE_TTL_S`.
 
+Why replicas that died are remembered: Serve drops a replica from its set when a call to it fails
+because the actor died, but puts it back with the next replica-info update (routing stats arrive
+every stats period) until its controller notices the death (a health check, seconds later). Until
+then a policy would see an idle replica (its calls all ended) and send it the very continuations
+that its death caused (`router.migration`). So a replica reported dead is never a candidate again
+(replica ids are never reused), and its last load report is not published.
+
 Invariants: the policy functions stay pure; this class holds only the token book (a request counts
 on at most one replica at a time: tentative from its choice, confirmed from its routing, gone exactly
 once when it completes) and publishes every replica-info update to `router.loadboard` for
@@ -77,6 +84,7 @@ class LoadAwareRequestRouter(RequestRouter):
         self._inflight: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
         self._inflight_tokens: dict[str, int] = {}  # replica -> tokens (tentative and confirmed)
         self._tentative: dict[str, float] = {}  # internal request id -> when chosen (not yet confirmed)
+        self._dead: set[str] = set()  # replicas a call found dead, while Serve may still list them
 
     def _report(self, replica: RunningReplica) -> LoadReport:
         rid = replica.replica_id.unique_id
@@ -93,6 +101,7 @@ class LoadAwareRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in self._dead]
         if not candidate_replicas:
             return []
         tokens = request_tokens(pending_request)
@@ -153,7 +162,14 @@ class LoadAwareRequestRouter(RequestRouter):
         else:
             self._inflight_tokens.pop(rid, None)
 
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        self._dead.add(replica_id.unique_id)
+        super().on_replica_actor_died(replica_id)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        listed = {r.replica_id.unique_id for r in replicas}
+        self._dead &= listed  # the controller dropped the rest: nothing left to filter
+        replicas = [r for r in replicas if r.replica_id.unique_id not in self._dead]
         super().update_replicas(replicas)
         loadboard.publish(
             self._deployment_id.name,

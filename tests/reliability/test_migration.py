@@ -1,8 +1,8 @@
 """A decode replica dies or hangs mid-stream: its streams move to a live one and continue exactly.
 
-Two apps of the real tiny model, two decode replicas each (journaled, `tests.support.journaled_replicas`:
-30 ms between streamed events, so a stream lasts seconds and the journals say which replica holds
-which request): disaggregated (two prefill replicas, KV over gloo) and colocated. The oracle is an
+Two apps of the real tiny model, two decode replicas each (journaled: the journals say which
+replica holds which request, `tests.support.journaled_replicas`): disaggregated (two prefill
+replicas, KV over gloo) and colocated. The oracle is an
 uninterrupted run of the same requests on the same app: greedy and seeded, completions and chat,
 one of ``n = 2`` choices, one under a JSON schema. Then the same requests again, and the decode
 replica streaming the most of them is SIGKILLed (or SIGSTOPped past the token timeout, then woken):
@@ -45,7 +45,7 @@ from tests.support.serve_harness import (
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
 
 TOKEN_TIMEOUT_S = 5.0
-MAX_TOKENS = 120  # at 30 ms an event: a stream lasts more than 3.6 s
+MAX_TOKENS = 400  # seconds of streaming on the tiny model, so that a signal lands mid-stream
 WORDS = {"type": "object", "properties": {"words": {"type": "array", "maxItems": 60,
                                                     "items": {"enum": ["sea", "sky", "stone", "light blue"]}}},
          "required": ["words"], "additionalProperties": False}
@@ -61,7 +61,7 @@ class App:
 def _app(serve_base: str, tiny_model: str, work: str, name: str, mode: str) -> Iterator[App]:
     args = cluster_args(tiny_model, mode=mode, prefill={"num_replicas": 2}, decode={"num_replicas": 2},
                         kv={"timeout_s": 10}, limits={"token_timeout_s": TOKEN_TIMEOUT_S, "prefill_timeout_s": 30})
-    decode = journaled_decode(work, 0.03)
+    decode = journaled_decode(work)
     application = compose_app(ClusterConfig.from_args(args), decode_cls=decode,
                               **({"prefill_cls": journaled_prefill(work)} if mode == "disaggregated" else {}))
     with deploy(application, name, serve_base) as url:
@@ -143,7 +143,7 @@ def interrupted(app: App, reqs: list[tuple[str, dict[str, Any]]], sig: signal.Si
 
         try:
             await _until(both_busy, 90, "every stream on a decode replica, each replica streaming some")
-            await asyncio.sleep(0.5)  # mid-stream: tokens out, most still to come
+            await asyncio.sleep(0.2)  # mid-stream: tokens out, most still to come
             victim = max(sorted(pids), key=lambda p: len(live_on(p)))
             held = live_on(victim)
             os.kill(victim, sig)
@@ -207,6 +207,7 @@ def test_killed_decode_replica_streams_continue_exactly(mode: str, request: pyte
     app: App = request.getfixturevalue("disagg" if mode == "disaggregated" else "colocated")
     reqs = requests(f"kill-{mode}", 16 if mode == "disaggregated" else 8)
     want = asyncio.run(run_all(app, reqs))
+    books_whole(app)  # idle, and the replicas' load reports say so: the next burst spreads over both
     before = metrics(app)
     got, victim, t_kill, held = interrupted(app, reqs, signal.SIGKILL)
     check_exact(want, got, held, t_kill, f"{mode} SIGKILL")
@@ -224,6 +225,7 @@ def test_killed_decode_replica_streams_continue_exactly(mode: str, request: pyte
 def test_hung_decode_replica_is_left_behind_and_nothing_arrives_twice(disagg: App) -> None:
     reqs = requests("hang", 8)
     want = asyncio.run(run_all(disagg, reqs))
+    books_whole(disagg)
     got, victim, t_stop, held = interrupted(disagg, reqs, signal.SIGSTOP)
     check_exact(want, got, held, t_stop, "SIGSTOP past the token timeout")
     samples = metrics(disagg)

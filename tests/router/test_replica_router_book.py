@@ -104,3 +104,17 @@ def test_fresher_stats_win_over_a_smaller_book() -> None:
     router = make_router()
     reps = [replica("a", outstanding=1000), replica("b")]
     assert [choose(router, reps, pending(f"r{i}")) for i in range(3)] == ["b", "b", "b"]
+
+
+def test_a_replica_found_dead_is_never_chosen_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve lists a dead replica again (with its idle stats) until its controller notices the death:
+    the continuations its death caused must not go back to it, whatever the policy."""
+    monkeypatch.setattr(replica_router.RequestRouter, "on_replica_actor_died", lambda self, r: None)
+    for policy in ("least_outstanding_tokens", "prefix_affinity"):
+        router = make_router(policy)
+        reps = [replica("a"), replica("b", outstanding=10_000)]  # the dead one looks idle
+        req = pending("r0")
+        assert choose(router, reps, req) == "a"
+        router.on_replica_actor_died(rid("a"))
+        assert [choose(router, reps, pending(f"r{i}")) for i in range(1, 4)] == ["b"] * 3
+        assert asyncio.run(router.choose_replicas([replica("a")], pending("r9"))) == []
