@@ -29,7 +29,7 @@ class RouterConfig:
     token_timeout_s: float = 60.0  # longest wait for the next decode event; then an error event
     ready_timeout_s: float = 5.0  # each pool's ready() call behind /ready
     max_inflight_requests: int | None = None  # generations in flight on this replica; past it 429 (None: no bound)
-    migration_limit: int = 3  # times one request may move off a decode replica that went away (router.migration)
+    migration_limit: int = 3  # times a choice's stream may move off a decode replica that went away (router.migration)
     max_choices: int = MAX_CHOICES  # n per request (the cluster: no more than a decode replica runs at once)
 
     def __post_init__(self) -> None:

@@ -96,6 +96,7 @@ class _Choice:
     stops: StopMatcher
     num_tokens: int = 0
     sent: list[int] = field(default_factory=list)  # every token sent (token 0 first): what a continuation carries
+    moves: int = 0  # times its decode stream was lost and continued elsewhere (`router.migration`)
     finish_reason: str | None = None
     last_sent: float | None = None  # for its inter-token latency
 
@@ -158,13 +159,11 @@ class Generation:
                     return
             rebuild = self._prefill_request(inp) if handle is not None else None
             lanes.start(Lane(self._decode_request(inp, st, firsts, handle), rebuild))
-            migrations = 0
             while lanes:
                 lane, ev = await lanes.next()
                 if isinstance(ev, DecodeLost):
                     lanes.abandon(lane)
-                    migrations += 1
-                    for new in await self._migrate(inp, st, lane, ev, migrations):
+                    for new in await self._migrate(inp, st, lane, ev):
                         lanes.start(new)
                     continue
                 if isinstance(ev, Exception):
@@ -206,21 +205,23 @@ class Generation:
             self._admission.leave()
             self._finish(st, inp)
 
-    async def _migrate(self, inp: GenerationInput, st: _State, lane: Lane, lost: DecodeLost,
-                       attempt: int) -> list[Lane]:
+    async def _migrate(self, inp: GenerationInput, st: _State, lane: Lane, lost: DecodeLost) -> list[Lane]:
         """``lane``'s decode replica went away: a continuation of each of its choices still going,
-        each on its own (`router.migration`); past ``migration_limit`` the request fails."""
+        each on its own (`router.migration`); a choice moved ``migration_limit`` times already fails
+        the request."""
         live = [i for i in lane.indices if st.choices[i].finish_reason is None]
-        if attempt > self._migration_limit:
-            raise StreamError(f"{lost} (the request was moved {attempt - 1} times already; "
+        moved = max((st.choices[i].moves for i in live), default=0)
+        if moved >= self._migration_limit:
+            raise StreamError(f"{lost} (the stream was moved {moved} times already; "
                               f"migration_limit is {self._migration_limit})")
         self._metrics.migrations.labels(reason=lost.reason).inc()
-        logger.warning("decode stream of %s lost (%s: %s); continuing choices %s elsewhere (migration %d)",
-                       inp.request_id, lost.reason, lost, live, attempt)
+        logger.warning("decode stream of %s lost (%s: %s); continuing choices %s elsewhere",
+                       inp.request_id, lost.reason, lost, live)
         out = []
         for i in live:
+            st.choices[i].moves += 1
             sent = tuple(st.choices[i].sent)
-            rid = continuation_id(inp.request_id, attempt, i)
+            rid = continuation_id(inp.request_id, st.choices[i].moves, i)
             if not sent:  # colocated, before token 0: the choice as it was asked
                 out.append(Lane(DecodeRequest(rid, inp.prompt_token_ids, inp.sampling, arrival_time=inp.arrival_time,
                                               choices=(DecodeChoice(i),), prompt_logprobs=inp.prompt_logprobs)))

@@ -45,9 +45,9 @@ class DecodeLost(Exception):
         self.reason = reason
 
 
-def continuation_id(request_id: str, attempt: int, index: int) -> str:
-    """The decode request id of choice ``index``'s continuation number ``attempt`` (from 1)."""
-    return f"{request_id}:m{attempt}.{index}"
+def continuation_id(request_id: str, move: int, index: int) -> str:
+    """The decode request id of choice ``index``'s continuation number ``move`` (from 1)."""
+    return f"{request_id}:m{move}.{index}"
 
 
 def continuation_prefill(request_id: str, prompt: Sequence[int], generated: Sequence[int],

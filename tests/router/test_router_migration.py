@@ -125,7 +125,7 @@ async def test_past_the_migration_limit_the_stream_fails_saying_so() -> None:
     decode = FailingDecode(failures=10, after=1)
     gen, dh, metrics = setup(decode, limit=2)
     got: list[Delta] = []
-    with pytest.raises(StreamError, match="migration_limit is 2"):
+    with pytest.raises(StreamError, match="moved 2 times already; migration_limit is 2"):
         async for d in gen.stream(inp("abc", 20)):
             got.append(d)
     assert "".join(d.text for d in got) == expected_text("abc", 4)  # token 0, then one per replica, once each
