@@ -45,7 +45,9 @@ from tests.support.serve_harness import (
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(420)]
 
 TOKEN_TIMEOUT_S = 8.0
-MAX_TOKENS = 400  # seconds of streaming on the tiny model, so that a signal lands mid-stream
+MAX_TOKENS = 300  # seconds of streaming on the tiny model, so that a signal lands mid-stream
+# every stream fits one decode replica's blocks at once: a continuation never queues for blocks behind
+# the streams already there (it would wait past the token timeout and move again)
 WORDS = {"type": "object", "properties": {"words": {"type": "array", "maxItems": 60,
                                                     "items": {"enum": ["sea", "sky", "stone", "light blue"]}}},
          "required": ["words"], "additionalProperties": False}
@@ -59,8 +61,9 @@ class App:
 
 
 def _app(serve_base: str, tiny_model: str, work: str, name: str, mode: str) -> Iterator[App]:
-    args = cluster_args(tiny_model, mode=mode, prefill={"num_replicas": 2}, decode={"num_replicas": 2},
-                        kv={"timeout_s": 10}, limits={"token_timeout_s": TOKEN_TIMEOUT_S, "prefill_timeout_s": 30})
+    args = cluster_args(tiny_model, mode=mode, prefill={"num_replicas": 2},
+                        decode={"num_replicas": 2, "num_blocks": 1024}, kv={"timeout_s": 10},
+                        limits={"token_timeout_s": TOKEN_TIMEOUT_S, "prefill_timeout_s": 30})
     decode = journaled_decode(work, 0.05)  # at most 20 events a second a stream: the replica stays responsive
     application = compose_app(ClusterConfig.from_args(args), decode_cls=decode,
                               **({"prefill_cls": journaled_prefill(work)} if mode == "disaggregated" else {}))
