@@ -62,13 +62,26 @@ class App:
 
 def _app(serve_base: str, tiny_model: str, work: str, name: str, mode: str) -> Iterator[App]:
     args = cluster_args(tiny_model, mode=mode, prefill={"num_replicas": 2},
-                        decode={"num_replicas": 2, "num_blocks": 1024}, kv={"timeout_s": 10},
+                        decode={"num_replicas": 2, "num_blocks": 1024, "policy": "least_outstanding_tokens"},
+                        kv={"timeout_s": 10},
                         limits={"token_timeout_s": TOKEN_TIMEOUT_S, "prefill_timeout_s": 30})
     decode = journaled_decode(work, 0.05)  # at most 20 events a second a stream: the replica stays responsive
     application = compose_app(ClusterConfig.from_args(args), decode_cls=decode,
                               **({"prefill_cls": journaled_prefill(work)} if mode == "disaggregated" else {}))
     with deploy(application, name, serve_base) as url:
-        yield App(name, url, work)
+        app = App(name, url, work)
+        if mode == "colocated":
+            warm_up(app)
+        yield app
+
+
+def warm_up(app: App) -> None:
+    """Long prompts of several lengths on every replica: a colocated continuation prefills the prompt
+    and the tokens sent, longer than any prompt here, and a first forward of a new length may compile
+    kernels for longer than the token timeout (the same stall an ordinary long prompt would meet)."""
+    bodies = [("/v1/completions", completion_body("warm " * n, 2)) for n in (60, 120, 180, 240, 300, 360)] * 2
+    results = asyncio.run(run_all(app, bodies))
+    assert all(r.ok for r in results), [(r.status, r.error) for r in results if not r.ok]
 
 
 @pytest.fixture(scope="module")
