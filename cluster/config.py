@@ -40,6 +40,7 @@ from cluster.sections import (
     EngineSection,
     KVSection,
     LimitsSection,
+    ObjectivesSection,
     PrefillSection,
     RouterSection,
     _Pool,
@@ -87,6 +88,7 @@ class ClusterConfig(_Section):
     router: RouterSection = RouterSection()
     kv: KVSection = KVSection()
     limits: LimitsSection = LimitsSection()
+    objectives: ObjectivesSection = ObjectivesSection()
 
     @model_validator(mode="after")
     def _consistent(self) -> ClusterConfig:
@@ -223,7 +225,8 @@ class ClusterConfig(_Section):
                             ready_timeout_s=lim.ready_timeout_s, migration_limit=lim.migration_limit,
                             max_choices=min(RouterConfig.max_choices,
                                                                                  self.decode.max_num_seqs),
-                            max_inflight_requests=lim.max_inflight_requests or self.decode_capacity_per_router())
+                            max_inflight_requests=lim.max_inflight_requests or self.decode_capacity_per_router(),
+                            objectives=self.objectives.build())
 
     def decode_capacity_per_router(self) -> int:
         """Requests the decode pool holds (running + queued, at its most replicas), per router replica.

@@ -1,7 +1,7 @@
 """The YAML schema of a pdserve cluster, one pydantic model per section of a Serve YAML's ``args:``.
 
 Owns: `EngineSection`, the pools' sections (`PrefillSection`, `DecodeSection`, `AffinitySection`),
-`RouterSection`, `KVSection` and `LimitsSection`, with their per-field checks. Every section is
+`RouterSection`, `KVSection`, `LimitsSection` and `ObjectivesSection`, with their per-field checks. Every section is
 ``extra="forbid"`` (a misspelt key is an error naming it) and frozen; a field's default is that of
 the component config it feeds (stated there once). `cluster.config.ClusterConfig` holds them
 together, adds the cross-field rules and builds the component configs.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.placement import AutoscalingSection, DrainSection, PlacementSection
 from decode_worker.config import DecodeWorkerConfig
@@ -20,6 +20,7 @@ from engine.kv_budget import check_budget
 from kv_transfer.config import KVTransferConfig, Transport
 from prefill_worker.config import PrefillWorkerConfig
 from router.config import RouterConfig
+from router.objectives import Objectives, SLOClass
 from router.policy import known_policy
 
 
@@ -172,3 +173,28 @@ class LimitsSection(_Section):
     max_inflight_requests: int | None = Field(default=None, ge=1)
 
 
+
+
+class ObjectiveClassSection(_Section):
+    """One request class (`router.objectives.SLOClass`, which states the rules)."""
+
+    name: str = Field(min_length=1)
+    ttft_s: float = Field(gt=0)
+    tpot_s: float = Field(gt=0)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)  # None: the catch-all length class
+    named_only: bool = False  # chosen only when a request names it
+
+
+class ObjectivesSection(_Section):
+    # empty: no objectives (nothing is judged, every request takes the configured path)
+    classes: list[ObjectiveClassSection] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ObjectivesSection:
+        self.build()  # raises ValueError naming the clash (duplicate names, no catch-all, ...)
+        return self
+
+    def build(self) -> Objectives:
+        return Objectives(tuple(SLOClass(name=c.name, ttft_s=c.ttft_s, tpot_s=c.tpot_s,
+                                         max_prompt_tokens=c.max_prompt_tokens, named_only=c.named_only)
+                                for c in self.classes))

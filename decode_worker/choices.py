@@ -46,12 +46,11 @@ class ChoiceGroup:
         token to feed."""
         ready = asyncio.Event()
         streams = []
-        for c in req.choice_list():
+        for c in req.choices:
             sent = c.generated  # token 0 from the prefill; a continuation's every token sent so far
             sampler = SamplerState.new(choice_params(req.sampling, c.index), req.prompt_token_ids, sent, eos_ids,
                                        vocab)
-            seq_id = f"{req.request_id}#{c.index}" if req.choices else req.request_id
-            st = Stream(req=req, sampler=sampler, index=c.index, seq_id=seq_id, ready=ready)
+            st = Stream(req=req, sampler=sampler, index=c.index, ready=ready)
             if sent:
                 st.generated.extend(sent)
                 st.next_token = sent[-1]

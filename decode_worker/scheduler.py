@@ -1,6 +1,6 @@
 """The decode pool's scheduler: pure Python, no model, no device; decides, the worker executes.
 
-Life cycle of a request::
+Life cycle of a sequence (one choice of a request, named by its sequence id)::
 
     add ─▶ WAITING ─(admitted: blocks for num_tokens + 1 reserved)─▶ TRANSFERRING
     TRANSFERRING ─on_transfer_done─▶ RUNNING        TRANSFERRING ─on_transfer_failed─▶ FINISHED
@@ -80,7 +80,7 @@ class SeqStatus(enum.Enum):
 
 @dataclass(eq=False)  # identity: queues remove by `is`, not by field values
 class SeqState:
-    request_id: str
+    seq_id: str
     num_tokens: int  # tokens whose KV is (or, once transferred, will be) cached; +1 per decode step
     arrival: float  # FCFS order; ties broken by insertion order
     block_ids: list[int] = field(default_factory=list)  # this seq's decode-pool blocks, in order
@@ -127,7 +127,7 @@ class DecodeScheduler:
         return self._blocks_for(seq.num_tokens + 1) + per_fork * len(seq.forks)
 
     def add(self, seq_id: str, num_tokens: int, arrival: float, forks: Sequence[str] = ()) -> SeqState:
-        """Queue a request whose KV for ``num_tokens`` tokens will arrive by transfer; ``forks``: the
+        """Queue a sequence whose KV for ``num_tokens`` tokens will arrive by transfer; ``forks``: the
         ids of the sequences that continue the same KV beside it (see the module docstring)."""
         if num_tokens < 1:
             raise ValueError(f"{seq_id}: num_tokens must be >= 1, got {num_tokens}")
@@ -165,8 +165,8 @@ class DecodeScheduler:
             self._release(victim)
             out.failed.append(victim)
             stalled = self._grow_running(out)
-        swapped_now = {seq.request_id for seq, _ in out.swap_out}
-        while self._swapped and self._swapped[0].request_id not in swapped_now:
+        swapped_now = {seq.seq_id for seq, _ in out.swap_out}
+        while self._swapped and self._swapped[0].seq_id not in swapped_now:
             seq = self._swapped[0]
             need = self._blocks_for(seq.num_tokens + 1)
             idle = not self._running and not self._transferring  # nobody left to grow: no watermark
@@ -192,9 +192,9 @@ class DecodeScheduler:
                     fork.block_ids, fork.cow = fork_for_append(self.pool, seq.block_ids, seq.num_tokens,
                                                                self.config.share_prompt)
                 fork.status = SeqStatus.TRANSFERRING
-                self._transferring[fork.request_id] = fork
+                self._transferring[fork.seq_id] = fork
             out.admitted.append(seq)
-        out.decode = [s for s in self._running if s.request_id not in stalled]
+        out.decode = [s for s in self._running if s.seq_id not in stalled]
         return out
 
     def _grow_running(self, out: SchedulerOutput) -> set[str]:
@@ -219,7 +219,7 @@ class DecodeScheduler:
                 if self.pool.can_allocate(need):
                     seq.block_ids.extend(self.pool.allocate(need))
                 else:
-                    stalled.add(seq.request_id)  # nobody fits the swap space: wait a step
+                    stalled.add(seq.seq_id)  # nobody fits the swap space: wait a step
         return stalled
 
     def _pick_victim(self, seq: SeqState) -> SeqState | None:
@@ -240,67 +240,67 @@ class DecodeScheduler:
         seq.status = SeqStatus.SWAPPED
         bisect.insort(self._swapped, seq, key=_fcfs)
 
-    def _transferring_seq(self, request_id: str, event: str) -> SeqState | None:
-        seq = self._seqs.get(request_id)  # None: aborted meanwhile, a late report is ignored
+    def _transferring_seq(self, seq_id: str, event: str) -> SeqState | None:
+        seq = self._seqs.get(seq_id)  # None: aborted meanwhile, a late report is ignored
         if seq is not None and seq.status is not SeqStatus.TRANSFERRING:
-            raise ValueError(f"{request_id}: transfer {event} while {seq.status.value}")
+            raise ValueError(f"{seq_id}: transfer {event} while {seq.status.value}")
         return seq
 
-    def on_transfer_done(self, request_id: str) -> list[tuple[int, int]]:
+    def on_transfer_done(self, seq_id: str) -> list[tuple[int, int]]:
         """TRANSFERRING → RUNNING, the head's forks with it; returns the copies ``(source, destination)``
         of the head's partial last block the worker must make before the next step (see the module
-        docstring). A late report for an aborted (finished) request is ignored."""
-        seq = self._transferring_seq(request_id, "done")
+        docstring). A late report for an aborted (finished) sequence is ignored."""
+        seq = self._transferring_seq(seq_id, "done")
         if seq is None:
             return []
         if seq.fork_of is not None:
-            raise ValueError(f"{request_id}: a fork's KV arrives with its head {seq.fork_of}")
+            raise ValueError(f"{seq_id}: a fork's KV arrives with its head {seq.fork_of}")
         copies: list[tuple[int, int]] = []
         for s in [seq, *(self._seqs[f] for f in seq.forks)]:
             copies += s.cow
             s.fork_of, s.cow = None, []
-            del self._transferring[s.request_id]
+            del self._transferring[s.seq_id]
             s.status = SeqStatus.RUNNING
             bisect.insort(self._running, s, key=_fcfs)
         seq.forks = []
         return copies
 
-    def on_transfer_failed(self, request_id: str) -> None:
-        """TRANSFERRING → FINISHED (forks too), blocks freed. Ignored for an unknown or finished request."""
-        seq = self._transferring_seq(request_id, "failed")
+    def on_transfer_failed(self, seq_id: str) -> None:
+        """TRANSFERRING → FINISHED (forks too), blocks freed. Ignored for an unknown or finished sequence."""
+        seq = self._transferring_seq(seq_id, "failed")
         if seq is not None:
             self._release(seq)
 
-    def on_token(self, request_id: str) -> None:
+    def on_token(self, seq_id: str) -> None:
         """A decode step wrote this seq's KV at position ``num_tokens``: count it."""
-        seq = self._seqs.get(request_id)
+        seq = self._seqs.get(seq_id)
         if seq is None or seq.status is not SeqStatus.RUNNING:
-            raise ValueError(f"{request_id}: token for a sequence that is not running")
+            raise ValueError(f"{seq_id}: token for a sequence that is not running")
         if seq.num_tokens >= len(seq.block_ids) * self.pool.block_size:
-            raise ValueError(f"{request_id}: token written without a slot; call schedule() first")
+            raise ValueError(f"{seq_id}: token written without a slot; call schedule() first")
         seq.num_tokens += 1
 
-    def finish(self, request_id: str) -> list[str]:
+    def finish(self, seq_id: str) -> list[str]:
         """Any state → FINISHED, blocks freed, forgotten (abort too); returns the ids finished (with a
         head whose KV is not in yet, its forks too). Idempotent."""
-        seq = self._seqs.get(request_id)
+        seq = self._seqs.get(seq_id)
         if seq is None:
             return []
         forks = list(seq.forks)
         self._release(seq)
-        return [request_id, *forks]
+        return [seq_id, *forks]
 
     def _release(self, seq: SeqState) -> None:
         for fid in list(seq.forks):  # a head before its KV is in: its forks have nothing to run on
             self._release(self._seqs[fid])
         if seq.fork_of is not None:
-            self._seqs[seq.fork_of].forks.remove(seq.request_id)
+            self._seqs[seq.fork_of].forks.remove(seq.seq_id)
             seq.fork_of, seq.cow = None, []
         if seq.status is SeqStatus.WAITING:
             if seq in self._waiting:  # a waiting fork is not queued: its head is
                 self._waiting.remove(seq)
         elif seq.status is SeqStatus.TRANSFERRING:
-            del self._transferring[seq.request_id]
+            del self._transferring[seq.seq_id]
         elif seq.status is SeqStatus.RUNNING:
             self._running.remove(seq)
         elif seq.status is SeqStatus.SWAPPED:
@@ -309,7 +309,7 @@ class DecodeScheduler:
             seq.num_swapped_blocks = 0
         self.pool.free(seq.block_ids)
         seq.block_ids, seq.status = [], SeqStatus.FINISHED
-        del self._seqs[seq.request_id]
+        del self._seqs[seq.seq_id]
 
     @property
     def num_waiting(self) -> int:
@@ -334,9 +334,9 @@ class DecodeScheduler:
     def has_work(self) -> bool:
         return bool(self._seqs)  # live sequences in any queue
 
-    def get(self, request_id: str) -> SeqState | None:
+    def get(self, seq_id: str) -> SeqState | None:
         """The live sequence, or None once finished (or never added)."""
-        return self._seqs.get(request_id)
+        return self._seqs.get(seq_id)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the queues, the statuses and the pool's books disagree."""
@@ -347,15 +347,15 @@ class DecodeScheduler:
             assert all(s.status is status for s in queue), f"a seq in the {status.value} queue is not"
             if status is not SeqStatus.TRANSFERRING:
                 assert [_fcfs(s) for s in queue] == sorted(map(_fcfs, queue)), f"{status.value} out of order"
-        ids = [s.request_id for _, queue in queues for s in queue]
+        ids = [s.seq_id for _, queue in queues for s in queue]
         ids += [f for s in self._waiting for f in s.forks]  # queued with their head
         assert sorted(ids) == sorted(self._seqs), "a live seq is in no queue, or in two"
         for s in self._seqs.values():
             head = self._seqs.get(s.fork_of) if s.fork_of is not None else None
-            assert s.fork_of is None or (head is not None and s.request_id in head.forks
-                                         and s.status is head.status), f"{s.request_id}: fork without its head"
-            assert not s.forks or s.status in (SeqStatus.WAITING, SeqStatus.TRANSFERRING), s.request_id
-            assert len(set(s.block_ids)) == len(s.block_ids), f"{s.request_id}: a block twice in one table"
+            assert s.fork_of is None or (head is not None and s.seq_id in head.forks
+                                         and s.status is head.status), f"{s.seq_id}: fork without its head"
+            assert not s.forks or s.status in (SeqStatus.WAITING, SeqStatus.TRANSFERRING), s.seq_id
+            assert len(set(s.block_ids)) == len(s.block_ids), f"{s.seq_id}: a block twice in one table"
         owners = Counter(b for s in self._seqs.values() for b in s.block_ids)
         assert len(owners) == self.pool.num_used_blocks, f"{len(owners)} owned, pool says used"
         for b, k in owners.items():
@@ -364,10 +364,10 @@ class DecodeScheduler:
         for s in self._seqs.values():
             room = len(s.block_ids) * self.pool.block_size
             with_kv = s.status in (SeqStatus.TRANSFERRING, SeqStatus.RUNNING)
-            assert room >= s.num_tokens if with_kv else room == 0, f"{s.request_id}: {room} slots"
+            assert room >= s.num_tokens if with_kv else room == 0, f"{s.seq_id}: {room} slots"
             if with_kv and s.num_tokens < room:
                 slot = s.block_ids[s.num_tokens // self.pool.block_size]
-                assert owners[slot] == 1, f"{s.request_id}: its next slot is in shared block {slot}"
+                assert owners[slot] == 1, f"{s.seq_id}: its next slot is in shared block {slot}"
         swapped = sum(s.num_swapped_blocks for s in self._swapped)
         assert self._swap_used == swapped <= self.config.max_swap_blocks, f"swap space: {swapped} blocks"
         self.pool.check_integrity()

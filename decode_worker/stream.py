@@ -24,7 +24,6 @@ class Stream:
     req: DecodeRequest
     sampler: SamplerState  # with this choice's seed (`engine.sampling.choices`)
     index: int = 0  # the choice
-    seq_id: str = ""  # its sequence in the scheduler (the request id for a lone choice 0)
     pending: deque[TokenEvent] = field(default_factory=deque)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     generated: list[int] = field(default_factory=list)  # token 0 included
@@ -41,12 +40,14 @@ class Stream:
     prefill_s: float = 0.0
     prompt_scores: PromptLogprobs | None = None  # colocated: the prompt's log-probs so far, when asked
 
-    def __post_init__(self) -> None:
-        self.seq_id = self.seq_id or self.req.request_id
-
     @property
     def request_id(self) -> str:
         return self.req.request_id
+
+    @property
+    def seq_id(self) -> str:
+        """Its sequence in the scheduler: one per choice of a request, whatever ``n`` is."""
+        return f"{self.req.request_id}#{self.index}"
 
     def timings(self) -> DecodeTimings:
         now = time.monotonic()

@@ -18,7 +18,8 @@ from kv_transfer.handle import KVHandle
 @dataclass(frozen=True)
 class DecodeChoice:
     """One choice of a request to decode: its index among the request's ``n`` (which picks its seed,
-    `engine.sampling.choices`) and, disaggregated, its token 0 from the prefill (colocated: None).
+    `engine.sampling.choices`, and its sequence id in the decode worker) and, disaggregated, its
+    token 0 from the prefill (colocated: None).
 
     A continuation (the choice's decode replica went away mid-stream, `router.migration`) also
     carries ``decoded``, the tokens already sent after token 0: ``generated`` is every token the
@@ -44,35 +45,38 @@ class DecodeChoice:
 class DecodeRequest:
     """Continue a sequence whose prompt KV was built by a prefill replica (or build it here).
 
-    Disaggregated: ``first_token_id`` is token 0 from the prefill and ``handle`` says where its KV
-    is. Colocated: both are ``None`` and the worker prefills the prompt itself, then streams token 0
-    as its first event. Several choices (``n > 1``): ``choices`` lists each one to decode, with its
-    token 0 (``first_token_id`` is then None); the prompt's KV is pulled (or prefilled) once and
-    forked into one sequence per choice. Without ``choices`` the request is choice 0 alone.
+    ``choices`` lists each choice to decode, one for ``n == 1`` (the default: choice 0, colocated).
+    Disaggregated: each choice carries its token 0 from the prefill and ``handle`` says where the
+    prompt's KV is. Colocated: no choice carries a token 0, ``handle`` is ``None``, and the worker
+    prefills the prompt itself, then streams each choice's token 0 as its first event. The prompt's
+    KV is pulled (or prefilled) once and forked into one sequence per further choice.
 
     A continuation is one choice alone that carries tokens already sent (`DecodeChoice.generated`):
     the KV it needs is ``kv_token_ids`` (the prompt and every sent token but the last), pulled from
     ``handle`` or, colocated, prefilled here; its first event is the token after the last sent.
+
+    Invariants: at least one choice; choice indices are distinct and >= 0; a choice that carries
+    more than token 0 is alone.
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    first_token_id: int | None = None
+    choices: tuple[DecodeChoice, ...] = (DecodeChoice(0),)
     handle: KVHandle | None = None
     arrival_time: float = 0.0
     prompt_logprobs: int | None = None  # colocated only: the prompt's log-probs, k alternatives each
-    choices: tuple[DecodeChoice, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.choices and self.first_token_id is not None:
-            raise ValueError("first_token_id is for one choice; with choices, each carries its own")
+        if not self.choices:
+            raise ValueError(f"{self.request_id}: a decode request needs at least one choice")
         indices = [c.index for c in self.choices]
         if len(set(indices)) != len(indices) or any(i < 0 for i in indices):
-            raise ValueError(f"choice indices must be distinct and >= 0, got {indices}")
-        carried = [c.index for c in self.choices if c.decoded or (self.handle is None and c.first_token_id is not None)]
+            raise ValueError(f"{self.request_id}: choice indices must be distinct and >= 0, got {indices}")
+        carried = [c.index for c in self.choices if c.decoded]
         if carried and len(self.choices) > 1:
-            raise ValueError(f"a continuation is one choice alone; choices {carried} of {indices} carry sent tokens")
+            raise ValueError(f"{self.request_id}: a continuation is one choice alone; choices {carried} of "
+                             f"{indices} carry sent tokens")
         if carried and self.prompt_logprobs is not None:
             raise ValueError("a continuation takes no prompt log-probs (token 0 already carried them)")
 
@@ -80,12 +84,8 @@ class DecodeRequest:
     def kv_token_ids(self) -> tuple[int, ...]:
         """The tokens whose KV the decode replica needs before its first step: the prompt, and for a
         continuation every token sent but the last (which is fed at that step)."""
-        sent = self.choice_list()[0].generated
-        return self.prompt_token_ids + sent[:-1] if len(self.choice_list()) == 1 and sent else self.prompt_token_ids
-
-    def choice_list(self) -> tuple[DecodeChoice, ...]:
-        """The choices to decode: ``choices``, or choice 0 with ``first_token_id``."""
-        return self.choices or (DecodeChoice(0, self.first_token_id),)
+        sent = self.choices[0].generated
+        return self.prompt_token_ids + sent[:-1] if len(self.choices) == 1 and sent else self.prompt_token_ids
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ is an ordinary request whose KV covers the prompt and the tokens sent but the la
 prompt's, or prefilled here colocated, after which it samples nothing (its next token was sent) and
 runs, feeding the last sent token first.
 
-Several choices (`DecodeRequest.choices`): one stream each, as a `decode_worker.choices.ChoiceGroup`
-whose head takes the prompt's KV and whose forks share it (`decode_worker.scheduler`); the worker
+Choices (`DecodeRequest.choices`, one or more): one stream each, with sequence id
+``{request_id}#{index}``, as a `decode_worker.choices.ChoiceGroup` whose head takes the prompt's KV
+and whose forks (any further choices) share it (`decode_worker.scheduler`); the worker
 makes their copies of a shared partial block when the KV is in and (colocated) samples each one's token 0.
 
 Invariants: the scheduler, pool and streams are touched only on the event loop, except the sampler
@@ -175,11 +176,15 @@ class DecodeWorker:
             raise ValueError(f"request id {req.request_id!r} is already streaming")
         if self._queued_beyond_free_slots() >= self.config.max_queue:
             raise QueueFullError(f"decode queue is full ({self.config.max_queue} waiting)", 1.0)
-        if not self.colocated and any(c.first_token_id is None for c in req.choice_list()):
+        if not self.colocated and any(c.first_token_id is None for c in req.choices):
             raise ValueError("each choice needs its token 0 from the prefill (disaggregated)")
+        if self.colocated and len(req.choices) > 1 and any(c.first_token_id is not None for c in req.choices):
+            raise ValueError("colocated, choices carry no token 0 (a continuation, which does, is one choice alone)")
+        if req.prompt_logprobs is not None and req.choices[0].first_token_id is not None:
+            raise ValueError("a continuation takes no prompt log-probs (token 0 carried them)")
         if req.handle is not None and req.handle.n_tokens != n_kv:
             raise ValueError(f"the KV handle holds {req.handle.n_tokens} tokens; this request needs {n_kv}")
-        if (sent := len(req.choice_list()[0].generated)) >= req.sampling.max_tokens:
+        if (sent := len(req.choices[0].generated)) >= req.sampling.max_tokens:
             raise ValueError(f"{sent} tokens sent leave nothing of max_tokens={req.sampling.max_tokens} to decode")
         group = ChoiceGroup.new(req, self.eos_ids, vocab)  # a grammar rejecting a sent token raises here
         forks = [st.seq_id for st in group.streams[1:]]
@@ -252,7 +257,7 @@ class DecodeWorker:
     async def _step(self) -> None:
         out = self.scheduler.schedule()
         self._execute_swaps_and_admissions(out)
-        decode = [self.streams[s.request_id] for s in out.decode if s.request_id in self.streams]
+        decode = [self.streams[s.seq_id] for s in out.decode if s.seq_id in self.streams]
         chunks, prefill_groups = self._plan_prefill()
         prefill_streams = [g.head for g in prefill_groups]
         if not decode and not chunks:
@@ -321,16 +326,16 @@ class DecodeWorker:
     def _execute_swaps_and_admissions(self, out: SchedulerOutput) -> None:
         cache = self.engine.cache
         for seq, blocks in out.swap_out:  # first: these ids may already be reused below
-            self.swap_space.swap_out(seq.request_id, cache, blocks)
+            self.swap_space.swap_out(seq.seq_id, cache, blocks)
             self.num_swapped_out += 1
         for seq, blocks in out.swap_in:
-            self.swap_space.swap_in(seq.request_id, cache, blocks)
+            self.swap_space.swap_in(seq.seq_id, cache, blocks)
         for seq in out.failed:
-            st = self.streams.get(seq.request_id)
+            st = self.streams.get(seq.seq_id)
             if st is not None:
                 self._end(st, "error", "sequence outgrew the decode pool's KV blocks")
         for seq in out.admitted:
-            group = self.groups[self.streams[seq.request_id].request_id]
+            group = self.groups[self.streams[seq.seq_id].request_id]
             for st in group.streams:
                 st.admitted_at = time.monotonic()
             if self.colocated:

@@ -41,6 +41,10 @@ class LoadReport:
     step_seconds: float = 0.0
     step_cpu_seconds: float = 0.0
     step_sequences: int = 0
+    # prefill, cumulative since start: prompt tokens its forwards computed and seconds inside them (the
+    # pool's measured prefill rate = a ratio of differences, `router.load_estimates.prefill_rate`)
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
     # prefill: where its KV source listens ("" / 0 until it does)
     kv_host: str = ""
     kv_port: int = 0

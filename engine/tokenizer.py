@@ -6,8 +6,10 @@ the bos/eos/pad tokens, the ids that end a generation and the model's sampling d
 
 Invariants:
 - `encode` / `decode` / `apply_chat_template` give what ``transformers.AutoTokenizer`` gives on the
-  same folder (``add_special_tokens=False``, ``clean_up_tokenization_spaces=False``); the template is
-  rendered in the same sandboxed Jinja environment transformers uses.
+  same folder (``add_special_tokens=False``, ``clean_up_tokenization_spaces=False``); where transformers
+  builds a model-specific class over ``tokenizer.json``, its pipeline is used (`engine.tokenizer_class`),
+  and a folder whose class pdserve cannot mirror is refused; the template is rendered in the same
+  sandboxed Jinja environment transformers uses.
 - `encode_prompt` (a completion prompt) adds what the tokenizer's own post-processor adds, as
   ``tokenizer(text)`` does (BOS for Llama- and Mistral-style tokenizers, nothing for SmolLM2's), but
   never a second BOS when the text already starts with the BOS token; `encode_chat` adds nothing:
@@ -39,6 +41,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from engine.errors import ModelLoadError
 from engine.loading.generation_config import GenerationConfig, read_json_object
 from engine.sampling.sampler import SamplingDefaults
+from engine.tokenizer_class import apply_class_pipeline, folder_class
 
 Message = Mapping[str, Any]
 
@@ -114,11 +117,13 @@ class Tokenizer:
         tok_file = folder / "tokenizer.json"
         if not tok_file.is_file():
             raise ModelLoadError(f"{tok_file}: tokenizer.json not found")
+        text = tok_file.read_text()
         try:
-            tok = HFTokenizer.from_file(str(tok_file))
+            tok = HFTokenizer.from_str(text)
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise ModelLoadError(f"{tok_file}: cannot load tokenizer: {e}") from None
         config = read_json_object(folder / "tokenizer_config.json")
+        apply_class_pipeline(tok, folder_class(folder, config, text), config, str(folder))
         generation = GenerationConfig.from_dir(folder)
         return cls(tok, config, generation.eos_token_ids, source=str(folder), sampling=generation.sampling)
 

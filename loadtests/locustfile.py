@@ -11,7 +11,7 @@ Every request posts ``/v1/chat/completions`` with ``stream: true``, ``stream_opt
 own POST row it fires, as their own request types named after the workload (``chat`` / ``long``):
 ``TTFT`` (send → first token chunk), ``ITL`` (one per gap between token chunks), ``TPOT``
 ((E2E − TTFT) / (output tokens − 1)) and ``E2E`` (send → end of stream), all in milliseconds, the
-definitions of `../shared/DESIGN.md` "Metrics". A stream that fails counts as a failure of E2E.
+definitions of docs/architecture.md "Metrics". A stream that fails counts as a failure of E2E.
 
     python -m locust -f loadtests/locustfile.py --headless -u 8 -r 8 --run-time 60s \\
         --host http://127.0.0.1:8000 --profile mixed --csv results/loadtest_mixed --html results/x.html

@@ -2,10 +2,10 @@
 
 Invariants: every field is a plain typed value (these travel through Ray as pickles); a result with
 ``finished=True`` carries no handle (every choice ended at token 0: nothing to decode, the blocks
-are already freed); a result for ``n`` choices carries ``n`` first tokens (`PrefillResult.first_tokens`),
-each sampled from the same logits with its choice's seed (`engine.sampling.choices`); a result with
-a handle keeps its blocks in the worker's outbox until the decode side pulls or releases them, or
-the lease ends.
+are already freed); a result for ``n`` choices carries ``n`` first tokens (`PrefillResult.choices`,
+one for ``n == 1``, in index order), each sampled from the same logits with its choice's seed
+(`engine.sampling.choices`); a result with a handle keeps its blocks in the worker's outbox until
+the decode side pulls or releases them, or the lease ends.
 """
 
 from __future__ import annotations
@@ -56,20 +56,16 @@ class FirstToken:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """Token 0 (of choice 0; ``more_choices``: of choices 1..n-1) and where to pull the prompt's KV from."""
+    """Token 0 of each choice (``choices[i]`` is choice ``i``'s) and where to pull the prompt's KV from."""
 
     request_id: str
-    token_id: int
-    logprob: float | None
+    choices: tuple[FirstToken, ...]  # one per choice, in index order (one for n == 1)
     handle: KVHandle | None
     finished: bool = False  # token 0 ended the request, every choice (EOS, stop id, max_tokens == 1, grammar complete)
-    finish_reason: str | None = None  # "stop" | "length" when token 0 ends choice 0 (finished or not)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     timings: PrefillTimings = field(default_factory=PrefillTimings)
-    top_logprobs: TopLogprobs = ()  # token 0's most likely alternatives, when the request asks
     prompt_logprobs: PromptLogprobs | None = None  # positions 1.. of the prompt, when the request asks
-    more_choices: tuple[FirstToken, ...] = ()  # n > 1: token 0 of choices 1..n-1, in order
 
-    def first_tokens(self) -> tuple[FirstToken, ...]:
-        """Token 0 of every choice, in index order."""
-        return (FirstToken(self.token_id, self.logprob, self.top_logprobs, self.finish_reason), *self.more_choices)
+    def __post_init__(self) -> None:
+        if not self.choices:
+            raise ValueError(f"{self.request_id}: a prefill result carries token 0 of at least one choice")

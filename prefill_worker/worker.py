@@ -108,6 +108,8 @@ class PrefillWorker:
         self.eos_ids = tuple(eos_token_ids)
         self.replica_id = replica_id
         self.layout = KVLayout.from_model(engine.model_config, engine.config.dtype, engine.block_size)
+        self.prefill_tokens = 0  # cumulative, for the load report's measured rate (written on the model thread)
+        self.prefill_seconds = 0.0
         self.waiting: deque[_Job] = deque()
         self._loop = StepLoop(f"{replica_id}-step-loop", self._step, self._fail_waiting)
         self.num_prefilled = 0
@@ -158,6 +160,8 @@ class PrefillWorker:
             outstanding_tokens=sum(j.remaining for j in self.waiting),
             kv_blocks_free=pool.num_free_blocks,
             kv_blocks_total=pool.num_blocks,
+            prefill_tokens=self.prefill_tokens,
+            prefill_seconds=self.prefill_seconds,
         )
 
     # -- step loop ------------------------------------------------------------------------------
@@ -195,6 +199,7 @@ class PrefillWorker:
         """On the model thread: the step's forward, then token 0 of every choice of the jobs whose
         last chunk it ran (``ending``: (row, job), in row order) in one `sample` call, the step's one
         wait on the device; per job its first tokens, or the `GrammarError` of a rejected token."""
+        start = time.perf_counter()
         logits, scored = self.engine.runner.prefill_scored(chunks, asks)  # [len(chunks), V]
         firsts: list[list[FirstToken] | GrammarError] = []
         sampled: list[tuple[int, _Job, list[SamplerState]]] = []  # (its place in firsts, job, choices' states)
@@ -214,6 +219,8 @@ class PrefillWorker:
             for i, job, states in sampled:
                 firsts[i] = self._first_tokens(job, states, out.rows(at, at + len(states)))
                 at += len(states)
+        self.prefill_seconds += time.perf_counter() - start  # token 0's sampling in: it is the forward's
+        self.prefill_tokens += sum(len(c.token_ids) for c in chunks)
         return scored, firsts
 
     def _plan(self) -> tuple[list[PrefillChunk], list[_Job]]:
@@ -272,8 +279,6 @@ class PrefillWorker:
         if isinstance(firsts, GrammarError):  # never hand on a token the grammar rejected
             self._fail(job, firsts)
             return
-        first, *more = firsts
-        token, logprob, top = first.token_id, first.logprob, first.top_logprobs
         pool = self.engine.pool
         pool.commit_full_blocks(job.blocks, job.prompt, self.engine.prefix_salt(len(job.prompt)))
         timings = PrefillTimings(
@@ -282,13 +287,12 @@ class PrefillWorker:
             num_chunks=job.num_chunks,
         )
         self.num_prefilled += 1
-        ended = all(f.finish_reason is not None for f in (first, *more))
+        ended = all(f.finish_reason is not None for f in firsts)
         if ended or job.future.done():  # done: the caller gave up
             pool.free(job.blocks)
             result = PrefillResult(
-                request_id=req.request_id, token_id=token, logprob=logprob, handle=None, finished=True,
-                finish_reason=first.finish_reason or "length", num_cached_tokens=job.num_cached, timings=timings,
-                top_logprobs=top, prompt_logprobs=job.scores, more_choices=tuple(more),
+                request_id=req.request_id, choices=tuple(firsts), handle=None, finished=True,
+                num_cached_tokens=job.num_cached, timings=timings, prompt_logprobs=job.scores,
             )
         else:
             transfer_id = f"{req.request_id}-{uuid.uuid4().hex[:12]}"
@@ -299,9 +303,8 @@ class PrefillWorker:
                 n_tokens=len(job.prompt), layout=self.layout, expires_at=expires_at,
             )
             result = PrefillResult(
-                request_id=req.request_id, token_id=token, logprob=logprob, handle=handle,
-                num_cached_tokens=job.num_cached, timings=timings, top_logprobs=top, prompt_logprobs=job.scores,
-                finish_reason=first.finish_reason, more_choices=tuple(more),
+                request_id=req.request_id, choices=tuple(firsts), handle=handle,
+                num_cached_tokens=job.num_cached, timings=timings, prompt_logprobs=job.scores,
             )
         if not job.future.done():
             job.future.set_result(result)

@@ -11,6 +11,7 @@ Modules (request order):
   generation     one request's stream: prefill → token 0 → decode events → Deltas (stops, EOS, metrics)
   stops          stop strings with hold-back
   openai_format  Deltas → chunks / responses, SSE framing
+  responses      OpenAI's Responses API (/v1/responses): the chat request it means, Response objects, events
   metrics        Prometheus registry per replica; per-replica gauges from the load board
   policy         pure routing policies over LoadReports
   replica_router Serve RequestRouter adapter running those policies; routing stats = load()

@@ -13,6 +13,10 @@ Readiness: ``/health`` says the process answers; ``/ready`` says to send traffic
 503 while the app's drain flag is set (`router.drain`) — the first thing a drain changes, so a load
 balancer stops sending before anything stops serving — and while either pool does not answer.
 
+``/v1/responses`` (OpenAI's Responses API, `router.responses`): its own field tables, then the chat
+completions request it means through the same steps; its events or one Response object (nothing is
+stored: ``GET /v1/responses/{id}`` is a 404).
+
 Also vLLM's ``/tokenize`` and ``/detokenize`` (`router.tokenize`), through the same auth, field
 accounting and validation.
 
@@ -56,10 +60,11 @@ from router.errors import (
     from_validation_errors,
     install_handlers,
     model_not_found,
+    not_stored,
     unauthorized,
     unavailable,
 )
-from router.fields import account
+from router.fields import FieldTables, account
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_format import DONE, ChatFormatter, CompletionFormatter, Formatter, sse
@@ -72,6 +77,13 @@ from router.protocol import (
     ModelList,
 )
 from router.response_format import check_grammar
+from router.responses.convert import to_chat
+from router.responses.fields import IGNORED as RESPONSES_IGNORED
+from router.responses.fields import REFUSED as RESPONSES_REFUSED
+from router.responses.objects import new_response
+from router.responses.relay import stream_events, whole_response
+from router.responses.request import ResponsesRequest
+from router.responses.writer import ResponseWriter
 from router.tokenize import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -80,7 +92,7 @@ from router.tokenize import (
     tokenize,
 )
 from router.tool_stream import ToolCallStream
-from router.tools import plan_tools, tool_grammar
+from router.tools import ToolPlan, plan_tools, tool_grammar
 
 logger = logging.getLogger("pdserve.router")
 
@@ -163,13 +175,16 @@ class Router:
         if not ok:
             raise unauthorized()
 
-    async def _validate(self, request: Request, pick: Callable[[Any], type[M]]) -> M:
+    async def _validate(self, request: Request, pick: Callable[[Any], type[M]],
+                        fields: FieldTables | None = None) -> M:
         """Auth, the body (size, JSON), every field accounted for, validation, the model name (when
-        the body names one). ``pick``: the request model for this body."""
+        the body names one). ``pick``: the request model for this body; ``fields``: the endpoint's
+        refused and ignored fields (default: chat's and completions')."""
         self._authorize(request)
         payload = await read_json(request, self._config.max_body_bytes)
         model = pick(payload)
-        account(payload, frozenset(model.model_fields))
+        refused_fields, ignored_fields = fields or (None, None)
+        account(payload, frozenset(model.model_fields), refused_fields, ignored_fields)
         try:
             req = model.model_validate(payload)
         except ValidationError as e:
@@ -198,12 +213,7 @@ class Router:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-        tools = plan_tools(req, self._codec)
-        if tools.keep_special_tokens:  # the tool-call markers are special tokens: the parser must see them
-            req = req.model_copy(update={"skip_special_tokens": False})
-        grammar = await tool_grammar(tools, req, self._codec)
-        prompt = chat_prompt(req, self._codec, tools.template_tools)
+        req, tools, grammar, prompt = await self._chat(await self._parse(request, ChatCompletionRequest))
         fmt: Formatter = ChatFormatter(model=req.model, codec=self._codec, prompt_tokens=len(prompt),
                                        logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
                                        include_usage=req.include_usage,
@@ -211,12 +221,43 @@ class Router:
                                        tools=ToolCallStream(tools) if tools.reads_calls else None, n=req.n)
         return await self._run(req.stream, prompt, req, fmt, req.prompt_logprobs, grammar)
 
-    async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
-                   prompt_logprobs: int | None, grammar: GrammarSpec | None = None) -> Response:
-        """``grammar``: a forced tool call's (already checked), in place of ``response_format``'s."""
+    async def _chat(self, req: ChatCompletionRequest
+                    ) -> tuple[ChatCompletionRequest, ToolPlan, GrammarSpec | None, tuple[int, ...]]:
+        """A chat request's tools (checked against the template), a forced call's grammar, the prompt."""
+        tools = plan_tools(req, self._codec)
+        if tools.keep_special_tokens:  # the tool-call markers are special tokens: the parser must see them
+            req = req.model_copy(update={"skip_special_tokens": False})
+        grammar = await tool_grammar(tools, req, self._codec)
+        return req, tools, grammar, chat_prompt(req, self._codec, tools.template_tools)
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: the chat request it means (`router.responses.convert`), on the chat path."""
+        req = await self._validate(request, lambda _: ResponsesRequest, (RESPONSES_REFUSED, RESPONSES_IGNORED))
+        chat, tools, grammar, prompt = await self._chat(to_chat(req))
+        skeleton = new_response(req)
+        writer = ResponseWriter(skeleton, ChatFormatter(
+            model=req.model, codec=self._codec, prompt_tokens=len(prompt), logprobs=False, id=skeleton.id,
+            tools=ToolCallStream(tools) if tools.reads_calls else None))
+        first, deltas = await self._start(prompt, chat, writer.formatter, None, grammar)
+        if chat.stream:
+            return StreamingResponse(stream_events(first, deltas, writer, stream_error), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse((await whole_response(first, deltas, writer, stream_error)).model_dump())
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(self, request: Request, response_id: str) -> Response:
+        """Nothing is stored (docs/responses.md): a 404 saying so."""
+        self._authorize(request)
+        raise not_stored(response_id)
+
+    async def _start(self, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
+                     prompt_logprobs: int | None, grammar: GrammarSpec | None = None
+                     ) -> tuple[Delta, AsyncGenerator[Delta, None]]:
+        """The request's generation, started: its first Delta and the rest. ``grammar``: a forced tool
+        call's (already checked), in place of ``response_format``'s. An error before the first token
+        is raised as the `APIError` the client gets (429, 503, ...)."""
         arrival_mono = time.perf_counter()
-        if req.n > self._config.max_choices:  # a decode replica runs every choice of a request at once
-            raise bad_request(f"n: at most {self._config.max_choices} choices per request are served", param="n")
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
                                 self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size, fmt.top_logprobs,
                                 self._codec.sampling_defaults)
@@ -232,10 +273,18 @@ class Router:
         try:
             first = await deltas.__anext__()
         except StopAsyncIteration:
-            return stream_error(StreamError("the generation produced no tokens")).response()
+            raise stream_error(StreamError("the generation produced no tokens")) from None
         except Exception as e:
             await deltas.aclose()
-            return stream_error(e).response()
+            raise stream_error(e) from None
+        return first, deltas
+
+    async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
+                   prompt_logprobs: int | None, grammar: GrammarSpec | None = None) -> Response:
+        """A completion or chat completion: SSE chunks ending in ``[DONE]``, or one JSON response."""
+        if req.n > self._config.max_choices:  # a decode replica runs every choice of a request at once
+            raise bad_request(f"n: at most {self._config.max_choices} choices per request are served", param="n")
+        first, deltas = await self._start(prompt, req, fmt, prompt_logprobs, grammar)
         if stream:
             return StreamingResponse(self._sse(first, deltas, fmt), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -95,7 +95,7 @@ class Backends:
         before its end cancels it."""
         stream = self._decode.options(stream=True).generate.remote(req)
         finished = False
-        going = {c.index for c in req.choice_list()}
+        going = {c.index for c in req.choices}
 
         async def events() -> AsyncIterator[TokenEvent]:
             nonlocal finished

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.loading.bundled import DEFAULT_MODEL
 from engine.sampling.choices import MAX_CHOICES
+from router.objectives import Objectives
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class RouterConfig:
     max_inflight_requests: int | None = None  # generations in flight on this replica; past it 429 (None: no bound)
     migration_limit: int = 3  # times a choice's stream may move off a decode replica that went away (router.migration)
     max_choices: int = MAX_CHOICES  # n per request (the cluster: no more than a decode replica runs at once)
+    objectives: Objectives = field(default_factory=Objectives)  # TTFT/TPOT per request class (empty: none)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):

@@ -72,6 +72,12 @@ def model_not_found(name: str) -> APIError:
     return APIError(404, f"The model {name!r} does not exist.", param="model", code="model_not_found")
 
 
+def not_stored(response_id: str) -> APIError:
+    """``GET /v1/responses/{id}``: responses are never stored here (docs/responses.md)."""
+    return APIError(404, f"No response found with id {response_id!r}: responses are not stored on this "
+                         "server (store is accepted and has no effect).", param="response_id", code="not_found")
+
+
 def body_too_large(limit: int) -> APIError:
     return APIError(413, f"Request body is larger than {limit} bytes.", code="request_too_large")
 

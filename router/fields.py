@@ -61,6 +61,9 @@ class Refused:
         return value is None or any(type(value) is type(d) and value == d for d in self.defaults)
 
 
+#: an endpoint's own (refused, ignored) tables, for `account`
+FieldTables = tuple[Mapping[str, Refused], Mapping[str, str]]
+
 _GUIDED = Refused("only response_format's json_object and json_schema constrain the output")
 
 # Refused unless at their default: each would change the output in a way we do not build (yet).
@@ -123,22 +126,27 @@ IGNORED: dict[str, str] = {
 }
 
 
-def account(payload: Any, served: frozenset[str]) -> None:
+def account(payload: Any, served: frozenset[str], refused_fields: Mapping[str, Refused] | None = None,
+            ignored_fields: Mapping[str, str] | None = None) -> None:
     """Raise a 400 for the first refused field set away from its default; log unknown fields.
 
-    ``served``: the request model's own field names (validated by pydantic after this).
+    ``served``: the request model's own field names (validated by pydantic after this);
+    ``refused_fields`` / ``ignored_fields``: an endpoint's own tables (default: `REFUSED` and
+    `IGNORED`, the completions and chat endpoints'; `router.responses.fields` has the Responses API's).
     """
+    refused_fields = REFUSED if refused_fields is None else refused_fields
+    ignored_fields = IGNORED if ignored_fields is None else ignored_fields
     if not isinstance(payload, Mapping):
         return  # pydantic says what is wrong with it
     unknown: list[str] = []
     for name, value in payload.items():
         if name in served:
             continue
-        rule = REFUSED.get(name)
+        rule = refused_fields.get(name)
         if rule is not None:
             if not rule.allows(value):
                 raise refused(name, rule.why)
-        elif name not in IGNORED:
+        elif name not in ignored_fields:
             unknown.append(str(name))
     if unknown:
         logger.warning("The following fields were present in the request but ignored: %s", sorted(unknown))

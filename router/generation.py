@@ -5,8 +5,9 @@ the tokens behind it, their log-probs, and at the end the finish reason) that th
 formats as OpenAI chunks or one response. It applies incremental detokenization, stop strings and
 the ``max_tokens`` bound, and records the request's metrics.
 
-Life cycle: [disaggregated] ``prefill`` → Delta(token 0) → ``generate(first_token_id, handle)`` →
-Delta per event; [colocated] ``generate(None, None)`` → Delta per event (the first is token 0).
+Life cycle: [disaggregated] ``prefill`` → Delta(token 0) per choice → ``generate(choices with their
+token 0, handle)`` → Delta per event; [colocated] ``generate(choices, None)`` → Delta per event (each
+choice's first is its token 0).
 The prompt's log-probs, when asked, come with token 0 (from the prefill, or colocated with its
 event) and ride on token 0's Delta.
 A request finished by token 0 (EOS, ``max_tokens == 1``) never reaches the decode pool. If the
@@ -145,7 +146,7 @@ class Generation:
                 handle = result.handle
                 self._metrics.queue.observe(result.timings.queue_s)
                 self._metrics.prefill.observe(result.timings.prefill_s)
-                for i, ft in enumerate(result.first_tokens()):
+                for i, ft in enumerate(result.choices):
                     delta = self._advance(st.choices[i], inp, stop_ids, (ft.token_id,), (ft.logprob,),
                                           (ft.top_logprobs,), ft.finish_reason)
                     delta = dataclasses.replace(delta, cached_tokens=result.num_cached_tokens, index=i)
@@ -245,12 +246,11 @@ class Generation:
     @staticmethod
     def _decode_request(inp: GenerationInput, st: _State, firsts: dict[int, int | None],
                         handle: KVHandle | None) -> DecodeRequest:
-        """The decode call: one choice as itself, several as the list of those still going."""
-        one = inp.n == 1
+        """The decode call: the choices still going (at least one: a request every choice of which
+        ended at token 0 never gets here), each with its token 0 (colocated: None)."""
         live = tuple(DecodeChoice(i, firsts[i]) for i, c in enumerate(st.choices) if c.finish_reason is None)
         return DecodeRequest(request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
-                             sampling=inp.sampling, first_token_id=firsts[0] if one else None, handle=handle,
-                             arrival_time=inp.arrival_time, choices=() if one else live,
+                             sampling=inp.sampling, choices=live, handle=handle, arrival_time=inp.arrival_time,
                              prompt_logprobs=None if handle is not None else inp.prompt_logprobs)
 
     async def _prefill_again(self, lane: Lane, why: str) -> Lane:

@@ -42,7 +42,7 @@ class Lane:
 
     @property
     def indices(self) -> tuple[int, ...]:
-        return tuple(c.index for c in self.req.choice_list())
+        return tuple(c.index for c in self.req.choices)
 
 
 class Lanes:

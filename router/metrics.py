@@ -1,6 +1,7 @@
 """Prometheus metrics of one router replica, in a registry of its own.
 
-Owns: `RouterMetrics` (latency histograms, token and success counters) and `LoadReportCollector`,
+Owns: `RouterMetrics` (latency histograms, token and success counters, attainment of the objectives
+per class and path, the path decisions by reason) and `LoadReportCollector`,
 which turns the replicas' latest load reports (`router.loadboard`) into per-replica gauges at
 scrape time (requests running / waiting, KV blocks used / free, and a prefill replica's outbox:
 handles waiting to be pulled).
@@ -24,6 +25,8 @@ from prometheus_client.registry import Collector
 
 from router import loadboard
 from router.migration import MIGRATION_REASONS
+from router.objectives import SLOClass, attained
+from router.path_policy import Path, PathDecision
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -112,9 +115,21 @@ class RouterMetrics:
             self.migrations.labels(reason=reason)  # every reason reads 0 before its first
         self.migrated_tokens = Counter("pdserve:router_migration_recomputed_tokens", "Tokens whose KV a "
                                        "migration built again (prompt and tokens sent but the last).", registry=r)
+        self.slo = Counter("pdserve:slo_requests", "Finished requests judged against their class's TTFT and TPOT "
+                           "objectives (router.objectives), by class, path and whether both were met.",
+                           ["slo_class", "path", "attained"], registry=r)
+        self.path_decisions = Counter("pdserve:path_decisions", "Path decisions (router.path_policy), by path "
+                                      "and reason.", ["path", "reason"], registry=r)
         self.in_flight = Gauge("pdserve:router_requests_in_flight",
                                "Generations this router replica has admitted and not yet finished.", registry=r)
         r.register(LoadReportCollector(load_deployments))
+
+    def record_decision(self, decision: PathDecision) -> None:
+        self.path_decisions.labels(decision.path.value, decision.reason.value).inc()
+
+    def record_slo(self, cls: SLOClass, path: Path, ttft_s: float, tpot_s: float | None) -> None:
+        """One finished request against its class's objectives (``tpot_s`` None: one output token)."""
+        self.slo.labels(cls.name, path.value, "true" if attained(ttft_s, tpot_s, cls) else "false").inc()
 
     def track_in_flight(self, count: Callable[[], int]) -> None:
         """Read ``pdserve:router_requests_in_flight`` from ``count`` at each scrape."""

@@ -63,6 +63,11 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {body}\n\n"
 
 
+def sse_event(event: dict[str, Any]) -> str:
+    """A Responses API event: named by its ``type`` (``event:``), the event itself as ``data``."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
 @dataclass
 class ChoiceText:
     """What one choice has produced so far."""

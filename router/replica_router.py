@@ -78,7 +78,7 @@ def request_weight(pending_request: PendingRequest, tokens: Sequence[int]) -> in
     """The tokens a call books on its replica: the prompt once per sequence it runs (a decode call of
     ``n`` choices runs ``n``, as the decode replica's own load report counts them)."""
     first = pending_request.args[0]
-    return len(tokens) * (len(first.choice_list()) if isinstance(first, DecodeRequest) else 1)
+    return len(tokens) * (len(first.choices) if isinstance(first, DecodeRequest) else 1)
 
 
 class LoadAwareRequestRouter(RequestRouter):

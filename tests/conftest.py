@@ -1,5 +1,12 @@
-"""Suite-wide settings (small thread counts, no hub access, auth-free local Ray) and the fixtures of
-more than one folder: one tiny random Llama on disk and a reference engine over it."""
+"""Suite-wide settings (small thread counts, no hub access, auth-free local Ray, hypothesis's fixed
+profile) and the fixtures of more than one folder: one tiny random Llama on disk and a reference
+engine over it.
+
+Hypothesis runs the ``ci`` profile unless ``pytest --hypothesis-profile=explore`` names the other one:
+``ci`` is derandomized with no example database, so every run draws the same examples (a red test is
+red because the code changed, and its failure reproduces); ``explore`` draws new examples each run and
+keeps failures in the local database, for hunting bugs by hand. A test's own ``@settings`` still sets
+its example count and health checks on top of the profile."""
 
 from __future__ import annotations
 
@@ -13,12 +20,18 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest
 import torch
+from hypothesis import settings
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from tests.support.markers import check_resource_marks
 from tests.support.models import make_tiny
 
 torch.set_num_threads(1)
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("ci")  # the hypothesis plugin's --hypothesis-profile, read later, overrides it
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -28,6 +41,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    check_resource_marks(item)  # a missing g++ / nginx: a skip here, a failure under PDSERVE_REQUIRE_RESOURCES=1
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """The packages' dependency rule, read from the source: the two pools never import each other, and
-only the CLI and the Serve entry point import `cluster` (DESIGN: router → pools → kv_transfer → engine)."""
+only the CLI and the Serve entry point import `cluster` (docs/architecture.md: router → pools → kv_transfer
+→ engine)."""
 
 from __future__ import annotations
 

@@ -7,17 +7,18 @@ compiled twin `compiled_paged_attention`, which `attention.paged_decode_attentio
 ``"compiled"`` method.
 
 Why: the eager paths copy every sequence's blocks into a buffer each layer (``index_select``, about
-memcpy speed) and then read them again in a matmul. On a 2-core EPYC (torch 2.13, inductor's C++
-backend) at 32 sequences x 1,040 positions of SmolLM2 a layer took 7.8-8.7 ms compiled vs 11.5-13.7
-ms for the gather + SDPA path in fp32, and 5.5 ms vs 7.4 ms (gather + block-diagonal bmm) in bf16.
+memcpy speed) and then read them again in a matmul; the fused kernel reads each block once where it
+is used, so a layer at large batches and long contexts costs less than the gather and the product
+together (figures: docs/benchmarks-notes.md).
 
 Invariants: scores, softmax and the weighted sum run in fp32 whatever the cache dtype; the result
 is the same attention as `attention.decode_attention` up to float reassociation (tested); padding
 positions carry ``-inf`` in ``bias`` and never contribute; compiling needs a C++ compiler at
 runtime (inductor's), so `engine.kernels.attention_choice` only picks this method after a call succeeded.
 One graph serves every batch size from 2 and every context length (both marked dynamic; a step of 1
-block is padded to 2, never specialized; batch 1 stays eager), compiled on first use (~7 s cold, ~3 s from inductor's
-disk cache), so a serving process compiles at load, in `engine.kernels.attention_choice`, never mid-stream.
+block is padded to 2, never specialized; batch 1 stays eager), compiled on first use (seconds, fewer from
+inductor's disk cache), so a serving process compiles at load, in `engine.kernels.attention_choice`, never
+mid-stream.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ reads back how much of a tensor the kernel actually backs with huge pages (for t
 
 Why: decode attention reads every sequence's blocks through its block table, 6-12 KiB at a time
 from anywhere in a cache of a gigabyte or more; on 4 KiB pages that is a TLB miss every few KiB and
-the hardware prefetchers stop at each page edge. On a 2-core AVX-512 Xeon, 30 layers of SmolLM2 at
-32 sequences x 1,024 positions (1.5 GB fp32): 70 ms with the cache on huge pages vs 79 ms without.
+the hardware prefetchers stop at each page edge. On 2 MiB pages the misses are rare and the
+prefetchers run on (figures: docs/benchmarks-notes.md).
 
 Invariants: the result is an ordinary contiguous zeroed tensor whatever happens; the advice is a
 hint (``MADV_HUGEPAGE`` on a fresh 2 MiB-aligned mapping, given before the first write, so the pages

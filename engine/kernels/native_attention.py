@@ -6,12 +6,11 @@ Owns: loading ``engine/kernels/csrc/paged_decode.cpp`` (built by `engine.kernels
 Why: the eager paths copy each sequence's blocks before multiplying, and inductor's fused kernel
 (`engine.kernels.compiled_attention`) reads the context once per softmax pass and per KV head. The kernel
 reads each sequence's blocks once for the scores of every head and once for the weighted sum (fp32
-math, visible positions only), batch 1 cut into chunks over every thread. On a 2-core AVX2 EPYC at
-32 sequences x 1,040 positions of SmolLM2 a layer took 4.7 ms vs 9.7 ms compiled (fp32) and 5.0 vs
-7.3 ms (bf16); on a 2-core AVX-512 Xeon, 30 layers of their own caches (1.5 GB, read from memory)
-at that size 85 ms fp32 / 50 ms bf16 with 8-float vectors, 62 / 39 ms with the AVX-512 path, the
-prefetch into L2 and the cache on huge pages (`engine.kernels.huge_pages`): 24 / 19 GB/s, where torch's
-``sum`` over the same caches reads 27 / 25 GB/s. With the cache in L2 (compute only) 19 / 21 ms.
+math, visible positions only), batch 1 cut into chunks over every thread, each block two reads ahead
+prefetched into L2 (blocks lie anywhere in the cache, so the hardware prefetcher cannot guess them),
+16-float vectors where AVX-512 is there. With the cache on huge pages (`engine.kernels.huge_pages`)
+a step's attention reads the cache close to the rate a plain ``sum`` over it does (figures:
+docs/benchmarks-notes.md).
 
 Invariants: built and cached by `engine.kernels.native_build` (hash-named, never half-written, no
 fast-math); the kernel runs on ``torch.get_num_threads()`` threads of torch's OpenMP runtime.
@@ -37,7 +36,7 @@ __all__ = ["NativeUnavailable", "load", "native_error", "native_paged_attention"
 
 @functools.cache
 def load() -> ctypes.CDLL:
-    """The built library (compiled on the first call in any process, ~1 s, then reused)."""
+    """The built library (compiled on the first call in any process, then reused)."""
     return build_with(SOURCE, ["paged_decode_f32", "paged_decode_bf16"], _ARGTYPES)
 
 

@@ -66,7 +66,7 @@ def _sources(source: Path) -> list[str]:
 
 
 def build(source: Path) -> ctypes.CDLL:
-    """``source`` compiled for this machine (~1-3 s the first time in any process, then reused) and loaded."""
+    """``source`` compiled for this machine (the first time in any process, then reused) and loaded."""
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise NativeUnavailable(f"no C++ compiler {cxx!r} on PATH")

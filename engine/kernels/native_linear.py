@@ -15,8 +15,8 @@ folded into the weight), silu(gate) * up before down (`glu`), the residual add a
 down, the bias and the int8 scale; all of it in fp32, rounded once to the activation dtype. With
 int8 weights on AVX2 the products are exact integer sums (vpmaddwd) over the prologue's output
 rounded to int16 per row: half the instructions of widening every weight to fp32. Beyond 4 rows the
-kernel works in tiles of rows that read each weight row once for the whole tile. Measured figures:
-results/engine.json and the commits that introduced each path.
+kernel works in tiles of rows that read each weight row once for the whole tile. Figures:
+results/engine.json and docs/benchmarks-notes.md.
 
 Invariants: computes what the wrapped kernel computes (``F.linear`` of its weight, the int8 one
 dequantized with the same scales) up to fp32 reassociation, the int16 rounding of x for int8
@@ -48,7 +48,7 @@ PRE_NONE, PRE_RMS, PRE_GLU = 0, 1, 2
 
 @functools.cache
 def load() -> ctypes.CDLL:
-    """The built library (compiled on the first call in any process, ~2 s, then reused)."""
+    """The built library (compiled on the first call in any process, then reused)."""
     names = [f"small_linear_{_NAMES[x]}_{w}" for x in _ACTS for w in _NAMES.values()]
     lib = build_with(SOURCE, names, _ARGTYPES)
     for x in _ACTS:

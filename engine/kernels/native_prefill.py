@@ -4,12 +4,11 @@ Owns: loading ``engine/kernels/csrc/prefill_attention.cpp`` (built by `engine.ke
 `native_prefill_applies` and `native_prefill_attention`, which `engine.attention.ops.prefill_attention`
 runs on the fast path for fp32 chunks (bf16 stays on torch's SDPA, which uses AMX where oneDNN has it).
 
-Why: torch 2.13's fp32 CPU ``scaled_dot_product_attention`` (its flash kernel) ran SmolLM2's causal
-512-token attention at 2.7 ms a layer on a 2-core AVX-512 Xeon, ~117 useful GFLOP/s where its fp32
-matmuls reach ~340: ~18% of a 512-token fp32 prefill. The kernel (flash-attention style: K transposed
-once, outer-product score tiles, online softmax, P V tiles; the query heads of a KV head together)
-does the same work without a score matrix: 1.53 ms a layer at 512 tokens (198 GFLOP/s), 21.2 vs
-26.1 ms at 2,048, so a 512-token fp32 prefill went 443 -> 409 ms there.
+Why: torch's fp32 CPU ``scaled_dot_product_attention`` (its flash kernel) reaches a fraction of the
+FLOP rate its fp32 matmuls reach, and causal attention is a sizeable share of an fp32 prefill. The
+kernel (flash-attention style: K transposed once, outer-product score tiles, online softmax, P V
+tiles; the query heads of a KV head together) does the same work without a score matrix, at a
+higher FLOP rate (figures: docs/benchmarks-notes.md).
 
 Invariants: equals SDPA with ``is_causal`` (query i at position ``start + i`` sees keys ``<= start + i``)
 up to fp32 reassociation; q, k and v may be strided views (rows any stride, heads contiguous: the

@@ -34,7 +34,7 @@ MAX_HEAD_DIM = 1024  # the kernel's per-head scratch
 
 @functools.cache
 def load() -> ctypes.CDLL:
-    """The built library (compiled on the first call in any process, ~1 s, then reused)."""
+    """The built library (compiled on the first call in any process, then reused)."""
     return build_with(SOURCE, ["rope_store_f32", "rope_store_bf16"], _ARGTYPES)
 
 

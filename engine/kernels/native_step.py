@@ -59,7 +59,7 @@ class _Args(ctypes.Structure):
 
 @functools.cache
 def load() -> ctypes.CDLL:
-    """The built library (compiled on the first call in any process, ~4 s, then reused)."""
+    """The built library (compiled on the first call in any process, then reused)."""
     return build_with(SOURCE, ["decode_step_f32", "decode_step_bf16"], [ctypes.POINTER(_Args)])
 
 

@@ -10,7 +10,7 @@ in bf16 saves re-packing the weight on every call), so `PackedLinear` offers two
 `engine.kernels.kernel_choice` times them on the machine at load. ``aten._weight_int8pack_mm`` (int8
 weight, bf16 activations) reads half the bytes of bf16 but is not bandwidth bound on small
 matrices; above `Int8Linear.int8_mm_max_rows` rows (prefill) it dequantizes and runs a dense bf16
-matmul instead. Measured figures are in results/engine.json and the commits that chose these.
+matmul instead. Figures: results/engine.json and docs/benchmarks-notes.md.
 
 Invariants: every kernel computes ``F.linear(x, W, bias) (+ residual)`` up to float
 reassociation (dense) or up to the int8 rounding of ``W`` (``|W - dequantize(q, s)| <= s / 2``
@@ -158,11 +158,11 @@ class PackedLinear(CpuLinear):
 
 class UpcastLinear(CpuLinear):
     """bf16 weight on a CPU without bf16 matmul kernels (no AVX-512 BF16/AVX-NE-CONVERT: oneDNN cannot
-    prepack it, and ``F.linear`` in bf16 ran at ~18 GFLOP/s on a 2-core AVX2 EPYC where fp32 ran at
-    ~140): ``upcast_min_rows`` rows or more run in fp32 on a copy of the weight upcast for the
-    call (a read and a write of the weight: small next to a prefill's FLOPs), the result rounded
-    back to bf16; fewer rows run as ``F.linear`` in bf16, where the weight read is the cost. The
-    stored weight stays bf16, so nothing is kept twice."""
+    prepack it, and ``F.linear`` in bf16 there runs at a small fraction of fp32's rate, see
+    docs/benchmarks-notes.md): ``upcast_min_rows`` rows or more run in fp32 on a copy of the weight
+    upcast for the call (a read and a write of the weight: small next to a prefill's FLOPs), the
+    result rounded back to bf16; fewer rows run as ``F.linear`` in bf16, where the weight read is the
+    cost. The stored weight stays bf16, so nothing is kept twice."""
 
     upcast_min_rows = 8
 
@@ -202,10 +202,10 @@ class Int8Linear(CpuLinear):
     weight read, is the cost (in fp32 where this CPU has no bf16 matmul kernels, as `UpcastLinear`).
     fp32 activations are cast to bf16 and the result back. ``in_features`` not a multiple of 16 always
     takes the dense path: torch 2.13's AVX-512 ``_weight_int8pack_mm`` crashes the process (SIGSEGV)
-    on 2 or more rows of such a width (seen on a Xeon with AVX-512; AVX2 CPUs run it fine).
+    on 2 or more rows of such a width (its AVX2 path runs it fine).
     """
 
-    int8_mm_max_rows = 16  # measured: the int8 kernel beats dequantize + bf16 matmul up to ~32 rows
+    int8_mm_max_rows = 16  # below the row count where dequantize + bf16 matmul overtakes the int8 kernel
     int8_mm_width_multiple = 16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import InProcessImporter
-from decode_worker.types import DecodeRequest, TokenEvent, merge_events
+from decode_worker.types import DecodeChoice, DecodeRequest, TokenEvent, merge_events
 from decode_worker.worker import DecodeWorker
 from engine.sampling.prompt_logprobs import PromptLogprobs
 from engine.sampling.sampler import SamplingParams
@@ -63,7 +63,8 @@ async def test_disaggregated_decode_refuses_the_ask(tiny_path) -> None:
     eng = Engine.from_dir(tiny_path, EngineConfig(num_blocks=16))
     worker = DecodeWorker(eng, DecodeWorkerConfig(), importer=InProcessImporter())
     handle = KVHandle("t", "inproc", 1, 3, KVLayout.from_model(eng.model_config, "float32", 16), expires_at=0.0)
-    req = DecodeRequest("x", (5, 6, 7), PARAMS, first_token_id=8, handle=handle, prompt_logprobs=1)
+    req = DecodeRequest("x", (5, 6, 7), PARAMS, choices=(DecodeChoice(0, 8),), handle=handle,
+                        prompt_logprobs=1)
     with pytest.raises(ValueError, match="prefill pool"):
         await events_of(worker, req)
 

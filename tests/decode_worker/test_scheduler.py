@@ -27,7 +27,7 @@ def start(sched: DecodeScheduler, *specs: tuple[str, int]) -> list[SeqState]:
     out = sched.schedule()
     assert out.admitted == seqs
     for s in seqs:
-        sched.on_transfer_done(s.request_id)
+        sched.on_transfer_done(s.seq_id)
     return seqs
 
 
@@ -37,11 +37,11 @@ def test_admission_by_free_blocks_and_watermark() -> None:
     for i, n in enumerate([15, 15, 7]):  # need 4, 4, 2 blocks (room for num_tokens + 1)
         sched.add(f"r{i}", n, float(i))
     out = sched.schedule()
-    assert [s.request_id for s in out.admitted] == ["r0", "r1"]  # r2 would leave 0 < watermark free
+    assert [s.seq_id for s in out.admitted] == ["r0", "r1"]  # r2 would leave 0 < watermark free
     assert [len(s.block_ids) for s in out.admitted] == [4, 4]
     assert sched.num_transferring == 2 and sched.num_waiting == 1 and pool.num_free_blocks == 2
     sched.finish("r0")
-    assert [s.request_id for s in sched.schedule().admitted] == ["r2"]
+    assert [s.seq_id for s in sched.schedule().admitted] == ["r2"]
 
 
 def test_max_num_seqs_caps_live_sequences() -> None:
@@ -52,7 +52,7 @@ def test_max_num_seqs_caps_live_sequences() -> None:
     sched.on_transfer_done("r0")
     assert sched.schedule().admitted == []  # running + transferring count alike
     sched.finish("r1")
-    assert [s.request_id for s in sched.schedule().admitted] == ["r2"]
+    assert [s.seq_id for s in sched.schedule().admitted] == ["r2"]
 
 
 def test_fcfs_head_of_line_is_not_overtaken_and_arrival_orders() -> None:
@@ -64,13 +64,13 @@ def test_fcfs_head_of_line_is_not_overtaken_and_arrival_orders() -> None:
     sched.add("hog", 3, arrival=1.0)
     sched.add("hog2", 3, arrival=1.5)
     out = sched.schedule()
-    assert [s.request_id for s in out.admitted] == ["hog", "hog2"]  # arrival order, not add order
+    assert [s.seq_id for s in out.admitted] == ["hog", "hog2"]  # arrival order, not add order
     sched.finish("hog")
     assert sched.schedule().admitted == []  # big does not fit yet, and nobody behind it passes
     sched.finish("hog2")
-    assert [s.request_id for s in sched.schedule().admitted] == ["big"]
+    assert [s.seq_id for s in sched.schedule().admitted] == ["big"]
     sched.finish("big")
-    assert [s.request_id for s in sched.schedule().admitted] == ["tie-a", "tie-b", "small-late"]
+    assert [s.seq_id for s in sched.schedule().admitted] == ["tie-a", "tie-b", "small-late"]
 
 
 def test_transfer_done_failed_and_late_reports() -> None:
@@ -110,7 +110,7 @@ def test_preemption_swaps_out_the_youngest_first() -> None:
     sched.on_token("old")  # old needs a 4th block: takes the free one
     sched.on_token("mid")  # mid needs a 2nd: none free, the youngest goes
     out = sched.schedule()
-    assert [(s.request_id, ids) for s, ids in out.swap_out] == [("young", young_blocks)]
+    assert [(s.seq_id, ids) for s, ids in out.swap_out] == [("young", young_blocks)]
     assert young.status is SeqStatus.SWAPPED and young.block_ids == [] and young.num_swapped_blocks == 1
     assert out.decode == [old, mid] and len(old.block_ids) == 4 and len(mid.block_ids) == 2
     assert sched.num_swap_blocks_used == 1 and pool.num_free_blocks == 0
@@ -121,7 +121,7 @@ def test_the_needy_youngest_takes_the_next_youngest_and_alone_swaps_itself() -> 
     sched, _ = make(4, watermark_blocks=0)
     a, b = start(sched, ("a", 3), ("b", 7))  # 1 + 2 blocks, 1 free
     sched.add("c", 1, 9.0)
-    assert [s.request_id for s in sched.schedule().admitted] == ["c"]  # takes the last block
+    assert [s.seq_id for s in sched.schedule().admitted] == ["c"]  # takes the last block
     sched.on_token("b")  # b, the youngest running, needs a block: a goes, never b itself
     out = sched.schedule()
     assert [s for s, _ in out.swap_out] == [a] and out.decode == [b]
@@ -149,7 +149,7 @@ def test_swapped_resume_before_waiting_and_copy_protocol() -> None:
     ((seq, copy_into),) = out.swap_in
     assert seq is young and len(copy_into) == 2 and young.block_ids[:2] == copy_into
     assert len(young.block_ids) == 3  # plus a fresh slot for its 9th token
-    assert [s.request_id for s in out.admitted] == ["w"] and out.decode == [young]
+    assert [s.seq_id for s in out.admitted] == ["w"] and out.decode == [young]
     sched.finish("young")
     sched.finish("w")
     sched.finish("w")  # idempotent
@@ -250,10 +250,10 @@ def test_random_simulation_everyone_finishes_with_correct_kv(seed: int) -> None:
         sched.check_integrity()
         assert out.failed == [] or swap == num_blocks  # only a too small swap space ends sequences
         for seq in out.failed:
-            end(seq.request_id)
+            end(seq.seq_id)
         kv.swaps(out)  # (a), (b)
         for seq in out.admitted:  # (c) started now, lands some steps later
-            pending[seq.request_id] = rng.randint(0, 3)
+            pending[seq.seq_id] = rng.randint(0, 3)
         for rid in list(pending):
             pending[rid] -= 1
             if pending[rid] >= 0:
@@ -269,12 +269,12 @@ def test_random_simulation_everyone_finishes_with_correct_kv(seed: int) -> None:
                 kv.write(landed, p)
             sched.on_transfer_done(rid)
         for seq in out.decode:  # (d) every row read back is this sequence's own
-            assert kv.read(seq) == [(seq.request_id, p) for p in range(seq.num_tokens)]
+            assert kv.read(seq) == [(seq.seq_id, p) for p in range(seq.num_tokens)]
             kv.write(seq, seq.num_tokens)
-            sched.on_token(seq.request_id)
-            todo[seq.request_id] -= 1
-            if todo[seq.request_id] == 0:
-                end(seq.request_id)
+            sched.on_token(seq.seq_id)
+            todo[seq.seq_id] -= 1
+            if todo[seq.seq_id] == 0:
+                end(seq.seq_id)
         if not arrivals and done == todo.keys():
             break
     else:

@@ -38,7 +38,7 @@ def test_admission_reserves_a_block_per_choice() -> None:
     sched.add("r", 9, 0.0, forks=forks(4))  # 3 blocks for the head's 10 slots, 1 per fork: 6
     sched.add("s", 3, 1.0)
     out = sched.schedule()
-    assert [s.request_id for s in out.admitted] == ["r"]  # s (1 block) would leave 0 < watermark
+    assert [s.seq_id for s in out.admitted] == ["r"]  # s (1 block) would leave 0 < watermark
     assert pool.num_free_blocks == 1 and sched.num_transferring == 4 and sched.num_waiting == 1
     sched.check_integrity()
     with pytest.raises(ContextLengthError, match="in 8 sequences"):
@@ -51,10 +51,10 @@ def test_max_num_seqs_counts_every_choice() -> None:
     sched, _ = make(100, max_num_seqs=4)
     sched.add("a", 1, 0.0, forks=forks(2, "a"))
     sched.add("b", 1, 1.0, forks=forks(3, "b"))
-    assert [s.request_id for s in sched.schedule().admitted] == ["a"]  # 2 + 3 > 4
+    assert [s.seq_id for s in sched.schedule().admitted] == ["a"]  # 2 + 3 > 4
     sched.finish("a")  # the head before its KV: the fork goes too
     assert sched.get("a#1") is None
-    assert [s.request_id for s in sched.schedule().admitted] == ["b"]
+    assert [s.seq_id for s in sched.schedule().admitted] == ["b"]
 
 
 @pytest.mark.parametrize(("num_tokens", "copies"), [(6, 2), (8, 0)])
@@ -103,7 +103,7 @@ def test_swap_out_of_a_fork_drops_only_its_references() -> None:
     sched.on_transfer_done("r")
     shared = head.block_ids[:2]
     sched.add("late", 3, 1.0)
-    assert [s.request_id for s in sched.schedule().admitted] == ["late"]
+    assert [s.seq_id for s in sched.schedule().admitted] == ["late"]
     sched.on_transfer_done("late")
     while not sched.num_swapped:
         step(sched)
@@ -130,7 +130,7 @@ def test_without_sharing_each_fork_copies_the_whole_prompt() -> None:
     head = sched.add("r", 6, 0.0, forks=forks(3))  # 2 blocks each: 6
     sched.add("s", 3, 1.0)
     out = sched.schedule()
-    assert [s.request_id for s in out.admitted] == ["r", "s"] and pool.num_free_blocks == 5
+    assert [s.seq_id for s in out.admitted] == ["r", "s"] and pool.num_free_blocks == 5
     copies = sched.on_transfer_done("r")
     assert sorted(src for src, _ in copies) == sorted(head.block_ids * 2)
     assert all(ref == 1 for ref in owners(pool).values())
@@ -208,7 +208,7 @@ def test_random_simulation_every_choice_reads_its_own_kv(seed: int) -> None:
         stats["swap_out"] += len(out.swap_out)
         kv.swaps(out)
         for seq in out.admitted:
-            pending[seq.request_id] = rng.randint(0, 3)
+            pending[seq.seq_id] = rng.randint(0, 3)
         for rid in list(pending):
             pending[rid] -= 1
             if pending[rid] >= 0:
@@ -227,13 +227,13 @@ def test_random_simulation_every_choice_reads_its_own_kv(seed: int) -> None:
                 stats["copies"] += 1
                 kv.copy(src, dst)
         for seq in out.decode:
-            rid, plen = prompt_of[seq.request_id]
-            assert kv.read(seq) == [(rid, p) if p < plen else (seq.request_id, p) for p in range(seq.num_tokens)]
+            rid, plen = prompt_of[seq.seq_id]
+            assert kv.read(seq) == [(rid, p) if p < plen else (seq.seq_id, p) for p in range(seq.num_tokens)]
             kv.write(seq, seq.num_tokens)
-            sched.on_token(seq.request_id)
-            todo[seq.request_id] -= 1
-            if todo[seq.request_id] == 0:
-                end(seq.request_id)
+            sched.on_token(seq.seq_id)
+            todo[seq.seq_id] -= 1
+            if todo[seq.seq_id] == 0:
+                end(seq.seq_id)
         if not arrivals and done == todo.keys():
             break
     else:

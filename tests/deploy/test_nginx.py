@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import httpx
 import pytest
 
 from loadtests.bench_common import free_port
+from tests.support.markers import NGINX, require
 from tests.support.multinode import Deployed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -27,11 +27,7 @@ PROMPT = list(range(100, 140))
 
 
 def nginx_binary() -> str:
-    found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).is_file()), None)
-    if found is None:
-        pytest.skip("needs nginx, not installed here (scripts/ci-deps.sh installs it with apt-get: root or "
-                    "passwordless sudo, and network)")
-    return found
+    return require(NGINX)
 
 
 def _sub(pattern: str, repl: str, text: str, count: int | None = 1) -> str:

@@ -133,7 +133,7 @@ async def test_closing_the_stream_aborts_every_choice_and_frees_each_block_once(
 
             worker = pd.decode
             res = await pd.prefill.prefill(PrefillRequest("a", prompt, params, n=4))
-            choices = tuple(DecodeChoice(i, ft.token_id) for i, ft in enumerate(res.first_tokens()))
+            choices = tuple(DecodeChoice(i, ft.token_id) for i, ft in enumerate(res.choices))
             req = DecodeRequest("a", prompt, params, handle=res.handle, choices=choices)
         seen: set[int] = set()
         gen = worker.generate(req)
@@ -160,7 +160,7 @@ async def test_a_lost_kv_ends_every_choice_with_kv_lost(tiny_path) -> None:
         params = SamplingParams(max_tokens=10, ignore_eos=True)
         res = await pd.prefill.prefill(PrefillRequest("k", prompt, params, n=3))
         await wait_until(lambda: pd.outbox.pending() == 0, timeout=5)  # the lease ran out: KV gone
-        choices = tuple(DecodeChoice(i, ft.token_id) for i, ft in enumerate(res.first_tokens()))
+        choices = tuple(DecodeChoice(i, ft.token_id) for i, ft in enumerate(res.choices))
         events = [ev async for ev in pd.decode.generate(DecodeRequest("k", prompt, params, handle=res.handle,
                                                                       choices=choices))]
         assert sorted(ev.index for ev in events) == [0, 1, 2]

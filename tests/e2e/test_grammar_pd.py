@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from decode_worker.types import DecodeRequest
+from decode_worker.types import DecodeChoice, DecodeRequest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import generate
@@ -85,7 +85,7 @@ async def test_a_rejected_token_ends_only_its_stream_with_an_error(chat_path: Pa
             await pd.prefill.prefill(PrefillRequest("pg", prompts[0], PARAMS[0]))
         x = Tokenizer.from_dir(chat_path).encode("x")[0]
         with pytest.raises(GrammarError, match="rejected"):  # a sampler state rebuilt from a token it rejects
-            await colo.generate(DecodeRequest("dg", prompts[0], PARAMS[0], first_token_id=x)).__anext__()
+            await colo.generate(DecodeRequest("dg", prompts[0], PARAMS[0], choices=(DecodeChoice(0, x),))).__anext__()
         assert not colo.streams and pd.prefill.engine.pool.num_free_blocks == pd.prefill.engine.pool.num_blocks
     finally:
         for w in (pd.prefill, colo):

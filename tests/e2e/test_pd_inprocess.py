@@ -16,6 +16,7 @@ from prefill_worker.types import PrefillRequest
 from tests.support.inprocess_pd import (
     EOS,
     collect,
+    decode_choices,
     make_colocated,
     make_pd,
     random_prompt,
@@ -94,7 +95,7 @@ async def test_abort_mid_stream_frees_blocks(tiny_path) -> None:
         prompt = random_prompt(random.Random(9), 100)
         params = SamplingParams(max_tokens=60, ignore_eos=True)
         res = await pd.prefill.prefill(PrefillRequest("a1", prompt, params))
-        gen = pd.decode.generate(DecodeRequest("a1", prompt, params, res.token_id, res.handle))
+        gen = pd.decode.generate(DecodeRequest("a1", prompt, params, decode_choices(res), res.handle))
         got = 0
         async for ev in gen:
             got += len(ev.token_ids)
@@ -141,7 +142,8 @@ async def test_expired_lease_frees_outbox_and_import_fails(tiny_path) -> None:
         assert pd.prefill.engine.pool.num_used_blocks > 0
         await wait_until(lambda: pd.outbox.pending() == 0, timeout=5)
         assert pd.prefill.engine.pool.num_used_blocks == 0
-        tokens, reason, error = await collect(pd.decode, DecodeRequest("e1", prompt, params, res.token_id, res.handle))
+        req = DecodeRequest("e1", prompt, params, decode_choices(res), res.handle)
+        tokens, reason, error = await collect(pd.decode, req)
         assert reason == "error" and error and ("expired" in error.lower() or "unknown" in error.lower())
         assert tokens == []
         # An unknown handle fails just as clearly.
@@ -171,8 +173,8 @@ async def test_stream_interval_sends_tokens_in_groups_and_loses_none(tiny_path, 
         await pd.prefill.start()
         worker = pd.decode
         res = await pd.prefill.prefill(PrefillRequest("s1", prompt, params))
-        req = DecodeRequest("s1", prompt, params, first_token_id=res.token_id, handle=res.handle)
-        first = [res.token_id]
+        req = DecodeRequest("s1", prompt, params, choices=decode_choices(res), handle=res.handle)
+        first = [res.choices[0].token_id]
     await worker.start()
     try:
         sizes, tokens, reason = [], list(first), None

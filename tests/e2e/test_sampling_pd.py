@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_worker.types import DecodeRequest
+from decode_worker.types import DecodeChoice, DecodeRequest
 from engine.engine import Engine
 from engine.sampling.sampler import SamplingParams
 from tests.support.inprocess_pd import make_colocated, make_pd, random_prompt, reference, run_both_modes
@@ -71,8 +71,9 @@ async def _with_logprobs(pd, req_id: str, prompt: tuple[int, ...], params: Sampl
     from prefill_worker.types import PrefillRequest
 
     res = await pd.prefill.prefill(PrefillRequest(req_id, prompt, params))
-    tokens, lps, tops = [res.token_id], [res.logprob], [res.top_logprobs]
-    req = DecodeRequest(req_id, prompt, params, first_token_id=res.token_id, handle=res.handle)
+    (first,) = res.choices
+    tokens, lps, tops = [first.token_id], [first.logprob], [first.top_logprobs]
+    req = DecodeRequest(req_id, prompt, params, choices=(DecodeChoice(0, first.token_id),), handle=res.handle)
     async for ev in pd.decode.generate(req):
         tokens.extend(ev.token_ids)
         lps.extend(ev.logprobs or ())

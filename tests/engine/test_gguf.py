@@ -232,7 +232,7 @@ def test_missing_bundled_package(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bundled_model_is_reused(smollm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = ModelConfig.from_dir(smollm_dir)  # DESIGN.md: 30 layers, 9 heads, 3 KV heads, head_dim 64
+    cfg = ModelConfig.from_dir(smollm_dir)  # SmolLM2-135M: 30 layers, 9 heads, 3 KV heads, head_dim 64
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
     assert cfg.kv_bytes_per_token(torch.float32) == 46_080 and cfg.tie_word_embeddings
     stamp = (smollm_dir / MARKER_FILE).stat().st_mtime_ns

@@ -58,7 +58,7 @@ def test_handle_round_trip_and_pickle() -> None:
     assert decode_handle(encode_handle(h)) == h
     assert pickle.loads(pickle.dumps(h)) == h
     assert h.n_blocks == 63 and h.nbytes == 63 * 737_280
-    assert SMOL.block_nbytes * 1000 // 16 == 46_080 * 1000  # DESIGN.md: 46,080 B/token in fp32
+    assert SMOL.block_nbytes * 1000 // 16 == 46_080 * 1000  # docs/architecture.md: 46,080 B/token in fp32
 
 
 def test_layout_from_cache_and_model() -> None:

@@ -30,7 +30,7 @@ async def test_short_prompts_pass_a_long_one_between_its_chunks(tiny_path, ref_e
     async def one(rid: str, prompt: tuple[int, ...]) -> tuple[str, int, int]:
         res = await pd.prefill.prefill(PrefillRequest(rid, prompt, params))
         done.append(rid)
-        return rid, res.token_id, res.timings.num_chunks
+        return rid, res.choices[0].token_id, res.timings.num_chunks
 
     tasks = [asyncio.ensure_future(one("long", long))] + [
         asyncio.ensure_future(one(f"s{i}", p)) for i, p in enumerate(shorts)]
@@ -48,3 +48,5 @@ async def test_short_prompts_pass_a_long_one_between_its_chunks(tiny_path, ref_e
         assert done[-1] == "long" and out["long"][1] == -(-600 // cap)  # ten chunks of ≤ 64
         assert all(out[f"s{i}"][1] == 1 for i in range(3))
     assert pd.prefill.engine.pool.num_used_blocks == 0 and pd.outbox.pending() == 0
+    report = pd.prefill.load_report()  # the measured prefill rate's counters: every prompt token computed once
+    assert report.prefill_tokens == 600 + 3 * 20 and report.prefill_seconds > 0

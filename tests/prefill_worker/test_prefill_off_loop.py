@@ -39,7 +39,7 @@ async def test_token_0_is_sampled_off_the_event_loop(tiny_path: Path, ref_engine
     finally:
         await pd.prefill.stop()
     assert gate.order == ["held", "answered", "released"] and gate.off_loop
-    assert res.token_id == reference(ref_engine, prompt, params)[0]
+    assert res.choices[0].token_id == reference(ref_engine, prompt, params)[0]
     if res.handle is not None:
         pd.outbox.release(res.handle.transfer_id)
 
@@ -71,4 +71,4 @@ async def test_one_sample_call_per_step_for_every_job_it_completes(tiny_path: Pa
     assert calls == [5]
     for req, res in zip(reqs, results, strict=True):
         want = [reference(ref_engine, req.prompt_token_ids, choice_params(req.sampling, i))[0] for i in range(req.n)]
-        assert [f.token_id for f in res.first_tokens()] == want
+        assert [f.token_id for f in res.choices] == want

@@ -47,9 +47,9 @@ async def test_chunked_beside_plain_prompts_and_not_from_the_cache(tiny_path, re
     assert asked.num_cached_tokens == 0 and asked.timings.num_chunks == 5
     assert asked.prompt_logprobs is not None
     assert_close(asked.prompt_logprobs, hf_prompt_logprobs(hf, prompt, 4))
-    assert asked.token_id == reference(ref_engine, prompt, ONE)[0]
+    assert asked.choices[0].token_id == reference(ref_engine, prompt, ONE)[0]
     for res, p in zip(plain, shorts, strict=True):
-        assert res.prompt_logprobs is None and res.token_id == reference(ref_engine, p, ONE)[0]
+        assert res.prompt_logprobs is None and res.choices[0].token_id == reference(ref_engine, p, ONE)[0]
     assert pd.prefill.engine.pool.num_used_blocks == 0
 
 

@@ -38,7 +38,7 @@ async def test_prefix_reuse_only_within_one_rope_table(tmp_path: Path) -> None:
         for i, p in enumerate(prompts):  # one after another: each finds what the ones before cached
             res = await pd.prefill.prefill(PrefillRequest(f"r{i}", p, SamplingParams(max_tokens=1)))
             cached.append(res.num_cached_tokens)
-            tokens.append(res.token_id)
+            tokens.append(res.choices[0].token_id)
     finally:
         await pd.prefill.stop()
     assert cached == [0, 32, 0, 32]  # the long prompt does not take the short one's prefix blocks

@@ -66,7 +66,8 @@ async def test_a_lost_kv_is_prefilled_again_once_and_the_stream_is_whole() -> No
     assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 8
     assert prefill.calls.count("prefill") == 2 and len(decode.requests) == 2
     first, again = decode.requests
-    assert again.first_token_id == first.first_token_id and again.handle is not None
+    assert again.choices == first.choices and len(first.choices) == 1 and again.handle is not None
+    assert first.choices[0].first_token_id is not None
 
 
 async def test_a_second_loss_is_an_error() -> None:

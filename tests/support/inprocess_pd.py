@@ -2,9 +2,9 @@
 
 Owns: `make_pd` (a `PrefillWorker` and a `DecodeWorker` joined by an `InProcessImporter`, each with
 its own engine; `PD.running` starts both and stops them after, `PD.run` is one request through
-both, `PD.run_choices` one request of ``n`` choices), `make_colocated` (a decode worker that
-prefills too), `reference` (the reference
-`generate()` every output is compared with), `random_prompt`, `workload` (staggered arrivals of
+both, `PD.run_choices` one request of ``n`` choices), `decode_choices` (the choices a prefill
+result hands on to decode), `make_colocated` (a decode worker that prefills too), `reference` (the
+reference `generate()` every output is compared with), `random_prompt`, `workload` (staggered arrivals of
 random prompts), `collect` (a decode stream's tokens, finish reason and error), `collect_choices`
 (the same per choice index), `run_both_modes` (one batch of requests disaggregated, then
 colocated) and `wait_until`. The model and the reference engine are the
@@ -31,7 +31,7 @@ from engine.sampling.sampler import SamplingParams
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.outbox import Outbox
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.types import PrefillRequest
+from prefill_worker.types import PrefillRequest, PrefillResult
 from prefill_worker.worker import PrefillWorker
 
 #: the tiny model's EOS id (`tests.support.models.make_tiny`)
@@ -65,13 +65,14 @@ class PD:
 
     async def run(self, req_id: str, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], str]:
         res = await self.prefill.prefill(PrefillRequest(req_id, tuple(prompt), params))
-        tokens = [res.token_id]
+        (first,) = res.choices
+        tokens = [first.token_id]
         if res.finished:
             assert res.handle is None
-            return tokens, str(res.finish_reason)
+            return tokens, str(first.finish_reason)
         assert res.handle is not None
         reason = ""
-        req = DecodeRequest(req_id, tuple(prompt), params, first_token_id=res.token_id, handle=res.handle)
+        req = DecodeRequest(req_id, tuple(prompt), params, choices=decode_choices(res), handle=res.handle)
         async for ev in self.decode.generate(req):
             tokens.extend(ev.token_ids)
             reason = ev.finish_reason or reason
@@ -82,18 +83,22 @@ class PD:
                           ) -> tuple[dict[int, list[int]], dict[int, str]]:
         """One prefill of ``n`` choices, then one decode call for those token 0 did not end."""
         res = await self.prefill.prefill(PrefillRequest(req_id, tuple(prompt), params, n=n))
-        firsts = res.first_tokens()
+        firsts = res.choices
         assert len(firsts) == n
         tokens = {i: [ft.token_id] for i, ft in enumerate(firsts)}
         reasons = {i: ft.finish_reason for i, ft in enumerate(firsts) if ft.finish_reason is not None}
         if res.finished:
             assert res.handle is None and len(reasons) == n
             return tokens, reasons
-        live = tuple(DecodeChoice(i, ft.token_id) for i, ft in enumerate(firsts) if ft.finish_reason is None)
-        req = DecodeRequest(req_id, tuple(prompt), params, handle=res.handle, choices=live)
+        req = DecodeRequest(req_id, tuple(prompt), params, handle=res.handle, choices=decode_choices(res))
         async for ev in self.decode.generate(req):
             _add(tokens, reasons, ev)
         return tokens, reasons
+
+
+def decode_choices(res: PrefillResult) -> tuple[DecodeChoice, ...]:
+    """The choices of ``res`` that token 0 did not end, each with its token 0 (what the router sends on)."""
+    return tuple(DecodeChoice(i, ft.token_id) for i, ft in enumerate(res.choices) if ft.finish_reason is None)
 
 
 def _add(tokens: dict[int, list[int]], reasons: dict[int, str], ev: TokenEvent) -> None:

@@ -221,11 +221,9 @@ class FakePrefill:
             n_tokens=len(req.prompt_token_ids), layout=LAYOUT, expires_at=time.time() + 30)
         reason = "length" if finished else None
         firsts = [token if said else shifted(token, i) for i in range(req.n)]  # every choice says a script
-        more = tuple(FirstToken(t, LOGPROB, fake_top(t, req.sampling.top_logprobs), reason) for t in firsts[1:])
-        return PrefillResult(request_id=req.request_id, token_id=token, logprob=LOGPROB, handle=handle,
-                             finished=finished, finish_reason=reason,
+        choices = tuple(FirstToken(t, LOGPROB, fake_top(t, req.sampling.top_logprobs), reason) for t in firsts)
+        return PrefillResult(request_id=req.request_id, choices=choices, handle=handle, finished=finished,
                              timings=PrefillTimings(queue_s=0.001, prefill_s=0.002),
-                             top_logprobs=fake_top(token, req.sampling.top_logprobs), more_choices=more,
                              prompt_logprobs=fake_prompt_logprobs(req.prompt_token_ids, req.prompt_logprobs))
 
     async def load(self) -> LoadReport:
@@ -244,7 +242,7 @@ class FakeDecode:
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
         text = prompt_text(req.prompt_token_ids)
-        choices = req.choice_list()
+        choices = req.choices
         colocated = choices[0].first_token_id is None
         if colocated and "QUEUEFULL" in text:
             raise QueueFullError("decode queue full", retry_after_s=3.0)

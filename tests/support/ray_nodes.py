@@ -9,7 +9,7 @@ processes of those sessions, by pid (SIGTERM, then SIGKILL).
 Why ``ray start`` and not ``ray.cluster_utils.Cluster``: `Cluster` writes (and on shutdown deletes)
 the machine-wide ``/tmp/ray/ray_current_cluster``, which a plain ``ray.init()`` elsewhere on a shared
 host would pick up; ``ray start --temp-dir`` keeps it inside our temp dir. It is also the
-multi-node recipe of deploy/README.md. Why not 127.0.0.1: Ray rewrites "127.0.0.1" and "localhost"
+multi-node recipe of docs/deployment.md. Why not 127.0.0.1: Ray rewrites "127.0.0.1" and "localhost"
 to the host's outward address (``resolve_ip_for_localhost``); other loopback addresses it keeps, and
 each node having its own makes the nodes distinct hosts to Ray while staying on ``lo``.
 """

@@ -16,8 +16,8 @@ def step(sched: DecodeScheduler) -> list[str]:
     out = sched.schedule()
     sched.check_integrity()
     for s in out.decode:
-        sched.on_token(s.request_id)
-    return [s.request_id for s in out.decode]
+        sched.on_token(s.seq_id)
+    return [s.seq_id for s in out.decode]
 
 
 class FakeKV:
@@ -32,13 +32,13 @@ class FakeKV:
         """(a) swap-outs, before anything writes; (b) swap-ins."""
         bs = self.bs
         for seq, ids in out.swap_out:
-            self.host[seq.request_id] = [self.rows[b * bs : (b + 1) * bs] for b in ids]
+            self.host[seq.seq_id] = [self.rows[b * bs : (b + 1) * bs] for b in ids]
         for seq, ids in out.swap_in:
-            for b, data in zip(ids, self.host.pop(seq.request_id), strict=True):
+            for b, data in zip(ids, self.host.pop(seq.seq_id), strict=True):
                 self.rows[b * bs : (b + 1) * bs] = data
 
     def write(self, seq: SeqState, pos: int, owner: str | None = None) -> None:
-        self.rows[seq.block_ids[pos // self.bs] * self.bs + pos % self.bs] = (owner or seq.request_id, pos)
+        self.rows[seq.block_ids[pos // self.bs] * self.bs + pos % self.bs] = (owner or seq.seq_id, pos)
 
     def copy(self, src: int, dst: int) -> None:
         bs = self.bs

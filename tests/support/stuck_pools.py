@@ -21,7 +21,7 @@ from typing import Any
 
 from decode_worker.types import DecodeRequest, TokenEvent
 from engine.load_report import LoadReport
-from prefill_worker.types import PrefillRequest, PrefillResult
+from prefill_worker.types import FirstToken, PrefillRequest, PrefillResult
 from tests.support.pd_fakes import FakeDecode, FakePrefill, prompt_text, successor
 
 
@@ -49,7 +49,8 @@ class StallingDecode(FakeDecode):
             async for ev in super().generate(req):
                 yield ev
             return
-        t = req.first_token_id if req.first_token_id is not None else req.prompt_token_ids[-1]
+        first = req.choices[0].first_token_id
+        t = first if first is not None else req.prompt_token_ids[-1]
         try:
             for _ in range(2):
                 t = successor(t)
@@ -81,8 +82,8 @@ class SilentSourcePrefill:
 
         handle = KVHandle(transfer_id=req.request_id, source_host="127.0.0.1", source_port=self._port,
                           n_tokens=len(req.prompt_token_ids), layout=self._layout, expires_at=time.time() + 60)
-        return PrefillResult(request_id=req.request_id, token_id=successor(req.prompt_token_ids[-1]),
-                             logprob=-0.5, handle=handle)
+        token0 = FirstToken(successor(req.prompt_token_ids[-1]), logprob=-0.5)
+        return PrefillResult(request_id=req.request_id, choices=(token0,) * req.n, handle=handle)
 
     async def load(self) -> LoadReport:
         return LoadReport(replica_id="silent-prefill", role="prefill", num_waiting=0, num_running=0,

@@ -108,11 +108,9 @@ static inline float max_of(const float* s, int64_t n) {
   return mx;
 }
 
-// How many block reads ahead the prefetches run, and into which cache (2: L2). On a 2-core AVX-512
-// Xeon, 30 layers at 32 x 1,040 (fp32, huge pages): into L1 one ahead 64.5 ms, into L2 60.8; one,
-// two or three ahead within 1 ms of each other; none at all 80 ms; only every 2nd-8th line, or only
-// where the next block does not follow the last in memory (leaving the rest to the hardware
-// prefetcher): 79-94 ms. Half the kernel's cycles sit on the prefetches (their queue is full).
+// How many block reads ahead the prefetches run, and into which cache (2: L2). Into L2 beats into L1,
+// the distance matters little, and prefetching every line beats prefetching only some of them and
+// leaving the rest to the hardware prefetcher (figures: docs/benchmarks-notes.md).
 constexpr int64_t PREFETCH_AHEAD = 2;
 constexpr int PREFETCH_HINT = 2;
 

@@ -7,8 +7,8 @@
 // uint32 lanes and lane i's low half (value 2i) becomes `x << 16`, its high half (value 2i + 1)
 // `x & 0xffff0000`: the widening with no shuffle (a vpmovzxwd per 16 values competes with the FMAs
 // for one port). V rows are read once for the 2-4 query heads of a KV head where their accumulators
-// fit in registers. Tried and dropped on a 2-core AVX-512 Xeon (SPR): AVX512-BF16's vdpbf16ps for the
-// bf16 scores (q split as hi + lo bf16), 30% slower than shift / mask / FMA.
+// fit in registers. Shift / mask / FMA beats AVX512-BF16's vdpbf16ps for the bf16 scores (with q split
+// as hi + lo bf16) too (docs/benchmarks-notes.md).
 #pragma once
 #include <cstdint>
 #include <cstring>

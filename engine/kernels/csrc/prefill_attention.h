@@ -15,9 +15,8 @@
 // half the kernel's time), then O += P V as tiles of rows x D (V rows read in place). Every row ends
 // O / l. The math is fp32 (`exp_nonpos_z`, ~1e-7 relative); the order of the sums is fixed by the
 // arguments alone, never the schedule, so the same call gives the same bits whatever the thread count.
-// Built with -O3 -march=native -fopenmp, no fast-math. On a 2-core AVX-512 Xeon, SmolLM2's heads
-// (9 over 3, D = 64): 512 tokens 1.53 ms (198 useful GFLOP/s; torch's SDPA 2.77 ms), 2,048 21.2 ms
-// (229; SDPA 26.1).
+// Built with -O3 -march=native -fopenmp, no fast-math (figures against torch's SDPA:
+// docs/benchmarks-notes.md).
 #pragma once
 #include <algorithm>
 #include <cmath>

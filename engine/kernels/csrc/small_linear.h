@@ -247,8 +247,8 @@ static void small_linear(const X* x, const W* w, const float* scale, const float
         if (c < b) { cols[rc] = c; rows[rc] = w + c * K; ++rc; }
       }
       // bf16 / int8: each stream's next row, fetched while this one is read (a prefetch never faults,
-      // past the end either). On an AVX-512 Xeon a bf16 step went 16 -> 12 ms; fp32 rows (2x the
-      // lines) went 21 -> 24 ms, so fp32 is left to the hardware prefetcher.
+      // past the end either). fp32 rows (twice the lines) run slower with it, so they are left to the
+      // hardware prefetcher (docs/benchmarks-notes.md).
       if constexpr (!std::is_same_v<W, float>)
         for (int r = 0; r < rc; ++r)
           for (int64_t j = 0; j < K * (int64_t)sizeof(W); j += 64) __builtin_prefetch((const char*)(rows[r] + K) + j, 0, 3);
