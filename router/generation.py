@@ -17,6 +17,11 @@ more and the decode call resubmitted, keeping the token 0 already sent. A reques
 any decode replica answered for its handle (client gone after token 0, decode refused) has the
 handle released (`Backends.release`) rather than left to its lease.
 
+A decode stream lost mid-request (its replica died, or sent nothing for the token timeout:
+`router.migration.DecodeLost`) is cancelled and each of its choices still going continues as a
+decode call of its own, carrying the tokens sent (`router.lanes` reads the calls as one stream);
+the client sees a pause. Past ``migration_limit`` moves of a choice the request fails.
+
 Admission (`router.admission`) comes first: a replica at its bound of requests in flight refuses
 with 429 before the prefill, so nothing it admits is later dropped for load.
 
@@ -41,82 +46,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator
 
 from decode_worker.types import KV_LOST, DecodeChoice, DecodeRequest, DecodeTimings, TokenEvent
 from engine.sampling.prompt_logprobs import PromptLogprobs
-from engine.sampling.sampler import SamplingParams, TopLogprobs
 from kv_transfer.handle import KVHandle
 from prefill_worker.types import PrefillRequest
 from router.admission import Admission
 from router.backends import Backends
-from router.codec import Detokenizer, TextCodec
+from router.choice_state import ChoiceState, Delta, GenerationInput, RequestState
+from router.codec import TextCodec
 from router.lanes import Lane, Lanes
 from router.metrics import RouterMetrics
 from router.migration import DecodeLost, continuation, continuation_id, continuation_prefill
 from router.stops import StopMatcher
 
+__all__ = ["Delta", "Generation", "GenerationInput", "StreamError"]
+
 logger = logging.getLogger("pdserve.router")
 
 class StreamError(Exception):
     """The decode pool ended the stream with an error (or stopped answering)."""
-
-
-@dataclass(frozen=True)
-class GenerationInput:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    stop_strings: tuple[str, ...] = ()
-    include_stop_str: bool = False  # the matched stop string, or the stop token's text, ends the text
-    skip_special_tokens: bool = True
-    prompt_logprobs: int | None = None  # the prompt's log-probs, this many alternatives each (None: not asked)
-    arrival_time: float = field(default_factory=time.time)  # wall clock, for worker queue metrics
-    arrival_mono: float = field(default_factory=time.perf_counter)  # for our latency metrics
-    n: int = 1  # choices (`engine.sampling.choices.MAX_CHOICES` at most, bounded by the request model)
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float | None, ...]
-    finish_reason: str | None = None
-    top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token when the request asks, else empty
-    cached_tokens: int = 0  # on token 0's delta: prompt tokens the prefill took from its prefix cache
-    prompt_logprobs: PromptLogprobs | None = None  # on token 0's delta (choice 0's), when the request asks
-    index: int = 0  # the choice
-
-
-@dataclass
-class _Choice:
-    """One choice as the router follows it."""
-
-    detok: Detokenizer
-    stops: StopMatcher
-    num_tokens: int = 0
-    sent: list[int] = field(default_factory=list)  # every token sent (token 0 first): what a continuation carries
-    moves: int = 0  # times its decode stream was lost and continued elsewhere (`router.migration`)
-    finish_reason: str | None = None
-    last_sent: float | None = None  # for its inter-token latency
-
-
-@dataclass
-class _State:
-    choices: list[_Choice]
-    first_sent: float | None = None
-    last_sent: float | None = None
-    decoded: bool = False  # a decode event brought a token
-    timed: bool = False  # the decode side's timings are recorded (once per request, not per choice)
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.choices)
 
 
 class Generation:
@@ -131,7 +81,7 @@ class Generation:
         self._admission = admission or Admission(None)
 
     async def stream(self, inp: GenerationInput) -> AsyncGenerator[Delta, None]:
-        st = _State([_Choice(self._codec.detokenizer(inp.skip_special_tokens),
+        st = RequestState([ChoiceState(self._codec.detokenizer(inp.skip_special_tokens),
                              StopMatcher(inp.stop_strings, inp.include_stop_str)) for _ in range(inp.n)])
         stop_ids = frozenset(inp.sampling.stop_token_ids)
         if not inp.sampling.ignore_eos:
@@ -147,7 +97,7 @@ class Generation:
                 self._metrics.queue.observe(result.timings.queue_s)
                 self._metrics.prefill.observe(result.timings.prefill_s)
                 for i, ft in enumerate(result.choices):
-                    delta = self._advance(st.choices[i], inp, stop_ids, (ft.token_id,), (ft.logprob,),
+                    delta = st.choices[i].advance(inp, stop_ids, (ft.token_id,), (ft.logprob,),
                                           (ft.top_logprobs,), ft.finish_reason)
                     delta = dataclasses.replace(delta, cached_tokens=result.num_cached_tokens, index=i)
                     if i == 0:
@@ -189,7 +139,7 @@ class Generation:
                 if choice.finish_reason is not None:
                     continue  # ended here (a stop string): the replica runs it until all end
                 lane.decoded = lane.decoded or bool(ev.token_ids)
-                delta = self._advance(choice, inp, stop_ids, ev.token_ids, _logprobs(ev),
+                delta = choice.advance(inp, stop_ids, ev.token_ids, _logprobs(ev),
                                       ev.top_logprobs or (), ev.finish_reason)
                 delta = dataclasses.replace(delta, index=ev.index)
                 if handle is None and st.first_sent is None:  # colocated: token 0's event
@@ -206,7 +156,7 @@ class Generation:
             self._admission.leave()
             self._finish(st, inp)
 
-    async def _migrate(self, inp: GenerationInput, st: _State, lane: Lane, lost: DecodeLost) -> list[Lane]:
+    async def _migrate(self, inp: GenerationInput, st: RequestState, lane: Lane, lost: DecodeLost) -> list[Lane]:
         """``lane``'s decode replica went away: a continuation of each of its choices still going,
         each on its own (`router.migration`); a choice moved ``migration_limit`` times already fails
         the request."""
@@ -244,7 +194,7 @@ class Generation:
                               prompt_logprobs=inp.prompt_logprobs if scored else None)
 
     @staticmethod
-    def _decode_request(inp: GenerationInput, st: _State, firsts: dict[int, int | None],
+    def _decode_request(inp: GenerationInput, st: RequestState, firsts: dict[int, int | None],
                         handle: KVHandle | None) -> DecodeRequest:
         """The decode call: the choices still going (at least one: a request every choice of which
         ended at token 0 never gets here), each with its token 0 (colocated: None)."""
@@ -269,48 +219,7 @@ class Generation:
             raise StreamError(f"the KV was lost ({why}) and could not be rebuilt")
         return result.handle
 
-    def _advance(
-        self,
-        st: _Choice,
-        inp: GenerationInput,
-        stop_ids: frozenset[int],
-        token_ids: Sequence[int],
-        logprobs: Sequence[float | None],
-        tops: Sequence[TopLogprobs],
-        finish_reason: str | None,
-    ) -> Delta:
-        """Account for a choice's new tokens; returns the text they release and, if they end it, why."""
-        detok, stops = st.detok, st.stops
-        text: list[str] = []
-        kept_ids: list[int] = []
-        kept_lps: list[float | None] = []
-        kept_tops: list[TopLogprobs] = []
-        for i, tid in enumerate(token_ids):
-            st.num_tokens += 1
-            st.sent.append(tid)
-            kept_ids.append(tid)
-            kept_lps.append(logprobs[i] if i < len(logprobs) else None)
-            kept_tops.append(tops[i] if i < len(tops) else ())
-            piece = detok.push(tid) if inp.include_stop_str or tid not in stop_ids else ""
-            text.append(stops.feed(piece, armed=st.num_tokens > inp.sampling.min_tokens))
-            if stops.finished:
-                st.finish_reason = "stop"
-                break
-            if tid in stop_ids:
-                st.finish_reason = "stop"
-                break
-            if st.num_tokens >= inp.sampling.max_tokens:
-                st.finish_reason = "length"
-                break
-        if st.finish_reason is None and finish_reason is not None:
-            st.finish_reason = finish_reason
-        if st.finish_reason is not None and not stops.finished:
-            text.append(stops.feed(detok.flush()))
-            text.append(stops.flush())
-        top = tuple(kept_tops) if inp.sampling.top_logprobs else ()
-        return Delta("".join(text), tuple(kept_ids), tuple(kept_lps), st.finish_reason, top)
-
-    def _sent(self, st: _State, delta: Delta) -> Delta:
+    def _sent(self, st: RequestState, delta: Delta) -> Delta:
         now = time.perf_counter()
         choice = st.choices[delta.index]
         if st.first_sent is None:
@@ -327,7 +236,7 @@ class Generation:
         else:
             self._metrics.kv_transfer.observe(t.transfer_s)
 
-    def _finish(self, st: _State, inp: GenerationInput) -> None:
+    def _finish(self, st: RequestState, inp: GenerationInput) -> None:
         """Per request: prompt tokens once, every choice's tokens, TPOT over the longest choice (the
         choices advance together, a token each per step); success counted per choice that finished."""
         m = self._metrics
