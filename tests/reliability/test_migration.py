@@ -70,15 +70,15 @@ def _app(serve_base: str, tiny_model: str, work: str, name: str, mode: str) -> I
                               **({"prefill_cls": journaled_prefill(work)} if mode == "disaggregated" else {}))
     with deploy(application, name, serve_base) as url:
         app = App(name, url, work)
-        if mode == "colocated":
-            warm_up(app)
+        warm_up(app)
         yield app
 
 
 def warm_up(app: App) -> None:
-    """Long prompts of several lengths on every replica: a colocated continuation prefills the prompt
-    and the tokens sent, longer than any prompt here, and a first forward of a new length may compile
-    kernels for longer than the token timeout (the same stall an ordinary long prompt would meet)."""
+    """Long prompts of several lengths on every replica: a continuation's prefill (on a prefill
+    replica, or colocated on the decode replica) covers the prompt and the tokens sent, longer than
+    any prompt here, and a first forward of a new length may compile kernels for longer than the
+    token timeout (the same stall an ordinary long prompt would meet)."""
     bodies = [("/v1/completions", completion_body("warm " * n, 2)) for n in (60, 120, 180, 240, 300, 360)] * 2
     results = asyncio.run(run_all(app, bodies))
     assert all(r.ok for r in results), [(r.status, r.error) for r in results if not r.ok]
