@@ -35,7 +35,6 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from decode_worker.types import DecodeRequest, TokenEvent
 from kv_transfer.handle import KVHandle
 from prefill_worker.types import PrefillRequest, PrefillResult
-from router import loadboard
 from router.errors import APIError, unavailable
 from router.migration import REPLICA_DIED, TOKEN_TIMEOUT, DecodeLost
 
@@ -110,8 +109,6 @@ class Backends:
                     raise DecodeLost(TOKEN_TIMEOUT,
                                      f"no token from the decode pool within {self._token_timeout_s:g} s") from None
                 except REPLICA_GONE as e:
-                    if isinstance(actor := getattr(e, "actor_id", None), str):
-                        loadboard.mark_gone(actor)  # before Serve's router knows: see router.replica_router
                     raise DecodeLost(REPLICA_DIED, "the decode replica serving this request went away") from e
                 if event.finish_reason is not None:
                     going.discard(event.index)

@@ -20,11 +20,8 @@ therefore books its tokens on the chosen replica at once (a *tentative* entry); 
 moves them to the replica that really took the request, and a tentative entry never confirmed (the
 caller gave up) expires after `TENTATIVE_TTL_S`.
 
-Why replicas that died are remembered: a decode stream whose replica died tells this process first
-(`router.loadboard.mark_gone`, by actor id), before any call of Serve's router fails on it, and the
-continuations that death causes are routed at once; sent to the dead replica, they would wait for
-Serve's next replica update. Serve drops a replica from its set when a call to it fails because
-the actor died, but puts it back with the next replica-info update (routing stats arrive
+Why replicas that died are remembered: Serve drops a replica from its set when a call to it fails
+because the actor died, but puts it back with the next replica-info update (routing stats arrive
 every stats period) until its controller notices the death (a health check, seconds later). Until
 then a policy would see an idle replica (its calls all ended) and send it the very continuations
 that its death caused (`router.migration`). So a replica reported dead is never a candidate again
@@ -114,9 +111,7 @@ class LoadAwareRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        dead = loadboard.gone()  # actors whose calls' streams saw them die, maybe before Serve did
-        candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in self._dead
-                              and _actor_hex(r) not in dead]
+        candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in self._dead]
         if not candidate_replicas:
             return []
         now = time.monotonic()
@@ -202,11 +197,6 @@ class LoadAwareRequestRouter(RequestRouter):
             {r.replica_id.unique_id: loadboard.stats_to_report(r.replica_id.unique_id, r.routing_stats or {})
              for r in replicas},
         )
-
-
-def _actor_hex(replica: RunningReplica) -> str | None:
-    actor = getattr(replica, "actor_id", None)
-    return actor.hex() if actor is not None else None
 
 
 def with_routing_stats(cls: type[T]) -> type[T]:

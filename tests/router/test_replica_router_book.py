@@ -141,15 +141,3 @@ def test_a_replica_whose_stats_stopped_changing_comes_last(monkeypatch: pytest.M
     router.update_replicas(reps)
     assert [choose(router, reps, pending(f"r{i}")) for i in range(1, 4)] == ["busy"] * 3
     assert choose(router, reps[:1], pending("r9")) == "hung"  # the last resort is still a resort
-
-
-def test_a_replica_whose_stream_saw_it_die_is_not_offered_before_serve_knows() -> None:
-    """A decode stream's ActorDiedError names the actor; the continuations it causes are routed
-    before any call of Serve's router has failed on that replica, so they must skip it already."""
-    router = make_router()
-    actor = SimpleNamespace(hex=lambda: "a0a0")
-    reps = [SimpleNamespace(replica_id=rid("a"), actor_id=actor, routing_stats={"outstanding_tokens": 0}),
-            replica("b", outstanding=10_000)]
-    assert choose(router, reps, pending("r0")) == "a"
-    loadboard.mark_gone("a0a0")
-    assert [choose(router, reps, pending(f"r{i}")) for i in range(1, 3)] == ["b", "b"]

@@ -15,7 +15,6 @@ from ray.exceptions import ActorDiedError
 
 from decode_worker.types import DecodeRequest, TokenEvent
 from engine.sampling.sampler import SamplingParams
-from router import loadboard
 from router.backends import Backends
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import RouterMetrics
@@ -141,27 +140,3 @@ async def test_no_migration_with_a_limit_of_zero() -> None:
         await collect(gen, inp("abc", 8))
     assert migrations(metrics, "replica_died") == 0
 
-
-
-async def test_the_dead_actor_is_on_the_board_before_the_continuation_is_routed() -> None:
-    """`Backends` puts a dead decode actor on `router.loadboard`'s board (from its ActorDiedError)
-    before the request moves, so the request router can skip it (`router.replica_router`)."""
-    decode = FailingDecode(failures=1, after=2)
-    died = ActorDiedError()
-    died.actor_id = "feedbeef"
-    seen: list[bool] = []
-
-    async def generate(req: DecodeRequest) -> AsyncIterator[TokenEvent]:
-        seen.append("feedbeef" in loadboard.gone())
-        n = 0
-        async for ev in FakeDecode.generate(decode, req):
-            if not seen[1:] and n == 2:
-                raise died
-            yield ev
-            n += 1
-
-    decode.generate = generate  # type: ignore[method-assign]
-    gen, _, _ = setup(decode)
-    deltas = await collect(gen, inp("abc", 8))
-    assert "".join(d.text for d in deltas) == expected_text("abc", 8)
-    assert seen == [False, True]
