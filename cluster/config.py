@@ -223,7 +223,8 @@ class ClusterConfig(_Section):
                             public_paths=tuple(self.router.public_paths), max_model_len=lim.max_model_len,
                             max_body_bytes=lim.max_body_bytes, default_max_tokens=lim.default_max_tokens,
                             prefill_timeout_s=lim.prefill_timeout_s, token_timeout_s=lim.token_timeout_s,
-                            ready_timeout_s=lim.ready_timeout_s, max_choices=min(RouterConfig.max_choices,
+                            ready_timeout_s=lim.ready_timeout_s, migration_limit=lim.migration_limit,
+                            max_choices=min(RouterConfig.max_choices,
                                                                                  self.decode.max_num_seqs),
                             max_inflight_requests=lim.max_inflight_requests or self.decode_capacity_per_router(),
                             objectives=self.objectives.build())

@@ -177,6 +177,8 @@ class LimitsSection(_Section):
     prefill_timeout_s: float = Field(default=RouterConfig.prefill_timeout_s, gt=0)
     token_timeout_s: float = Field(default=RouterConfig.token_timeout_s, gt=0)  # the router's and decode's
     ready_timeout_s: float = Field(default=RouterConfig.ready_timeout_s, gt=0)
+    # times a request may move off a decode replica that died or hung mid-stream (0: never; then it fails)
+    migration_limit: int = Field(default=RouterConfig.migration_limit, ge=0)
     # generations in flight per router replica, past it 429; None: what the decode pool holds
     max_inflight_requests: int | None = Field(default=None, ge=1)
 

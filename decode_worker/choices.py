@@ -41,18 +41,19 @@ class ChoiceGroup:
     @classmethod
     def new(cls, req: DecodeRequest, eos_ids: Sequence[int], vocab: GrammarVocab | None = None) -> ChoiceGroup:
         """A stream per choice, each sampler with its choice's seed (`engine.sampling.choices`) and grammar
-        matcher (``vocab``: the grammar's, when the request has one) and, when the prefill sampled
-        it, token 0 as its next token to feed."""
+        matcher (``vocab``: the grammar's, when the request has one, replaying the tokens sent) and,
+        when tokens were sent (token 0 from the prefill, or a continuation's), the last as its next
+        token to feed."""
         ready = asyncio.Event()
         streams = []
         for c in req.choices:
-            sampled = () if c.first_token_id is None else (c.first_token_id,)
-            sampler = SamplerState.new(choice_params(req.sampling, c.index), req.prompt_token_ids, sampled, eos_ids,
+            sent = c.generated  # token 0 from the prefill; a continuation's every token sent so far
+            sampler = SamplerState.new(choice_params(req.sampling, c.index), req.prompt_token_ids, sent, eos_ids,
                                        vocab)
             st = Stream(req=req, sampler=sampler, index=c.index, ready=ready)
-            if c.first_token_id is not None:
-                st.generated.append(c.first_token_id)
-                st.next_token = c.first_token_id
+            if sent:
+                st.generated.extend(sent)
+                st.next_token = sent[-1]
             streams.append(st)
         return cls(req, streams, ready)
 

@@ -19,10 +19,26 @@ from kv_transfer.handle import KVHandle
 class DecodeChoice:
     """One choice of a request to decode: its index among the request's ``n`` (which picks its seed,
     `engine.sampling.choices`, and its sequence id in the decode worker) and, disaggregated, its
-    token 0 from the prefill (colocated: None)."""
+    token 0 from the prefill (colocated: None).
+
+    A continuation (the choice's decode replica went away mid-stream, `router.migration`) also
+    carries ``decoded``, the tokens already sent after token 0: ``generated`` is every token the
+    client has, and its last one is the token fed next. The sampler's step index, penalties,
+    ``min_tokens``, grammar matcher and the remaining ``max_tokens`` all follow from ``generated``,
+    so the choice continues exactly as if it had never moved."""
 
     index: int
     first_token_id: int | None = None
+    decoded: tuple[int, ...] = ()  # a continuation: the tokens sent after token 0
+
+    def __post_init__(self) -> None:
+        if self.decoded and self.first_token_id is None:
+            raise ValueError(f"choice {self.index}: decoded tokens follow a token 0, and it has none")
+
+    @property
+    def generated(self) -> tuple[int, ...]:
+        """Every token sent for this choice so far, token 0 first (empty: none yet, colocated)."""
+        return () if self.first_token_id is None else (self.first_token_id, *self.decoded)
 
 
 @dataclass(frozen=True)
@@ -35,7 +51,12 @@ class DecodeRequest:
     prefills the prompt itself, then streams each choice's token 0 as its first event. The prompt's
     KV is pulled (or prefilled) once and forked into one sequence per further choice.
 
-    Invariants: at least one choice; choice indices are distinct and >= 0.
+    A continuation is one choice alone that carries tokens already sent (`DecodeChoice.generated`):
+    the KV it needs is ``kv_token_ids`` (the prompt and every sent token but the last), pulled from
+    ``handle`` or, colocated, prefilled here; its first event is the token after the last sent.
+
+    Invariants: at least one choice; choice indices are distinct and >= 0; a choice that carries
+    more than token 0 is alone.
     """
 
     request_id: str
@@ -52,6 +73,19 @@ class DecodeRequest:
         indices = [c.index for c in self.choices]
         if len(set(indices)) != len(indices) or any(i < 0 for i in indices):
             raise ValueError(f"{self.request_id}: choice indices must be distinct and >= 0, got {indices}")
+        carried = [c.index for c in self.choices if c.decoded]
+        if carried and len(self.choices) > 1:
+            raise ValueError(f"{self.request_id}: a continuation is one choice alone; choices {carried} of "
+                             f"{indices} carry sent tokens")
+        if carried and self.prompt_logprobs is not None:
+            raise ValueError("a continuation takes no prompt log-probs (token 0 already carried them)")
+
+    @property
+    def kv_token_ids(self) -> tuple[int, ...]:
+        """The tokens whose KV the decode replica needs before its first step: the prompt, and for a
+        continuation every token sent but the last (which is fed at that step)."""
+        sent = self.choices[0].generated
+        return self.prompt_token_ids + sent[:-1] if len(self.choices) == 1 and sent else self.prompt_token_ids
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,11 @@ Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler
    the caller closing the stream frees its blocks before the next step (a transfer in flight is
    allowed to finish first, so nothing is ever written into blocks someone else owns).
 
+A continuation (a request moved here from a decode replica that went away, `DecodeChoice.decoded`)
+is an ordinary request whose KV covers the prompt and the tokens sent but the last: pulled like a
+prompt's, or prefilled here colocated, after which it samples nothing (its next token was sent) and
+runs, feeding the last sent token first.
+
 Choices (`DecodeRequest.choices`, one or more): one stream each, with sequence id
 ``{request_id}#{index}``, as a `decode_worker.choices.ChoiceGroup` whose head takes the prompt's KV
 and whose forks (any further choices) share it (`decode_worker.scheduler`); the worker
@@ -156,6 +161,7 @@ class DecodeWorker:
 
     def _admit(self, req: DecodeRequest, vocab: GrammarVocab | None = None) -> ChoiceGroup:
         n_prompt = len(req.prompt_token_ids)
+        n_kv = len(req.kv_token_ids)  # a continuation's KV holds the tokens sent but the last, too
         if self.colocated != (req.handle is None):
             raise ValueError(
                 "colocated decode takes requests without a KV handle"
@@ -170,11 +176,19 @@ class DecodeWorker:
             raise ValueError(f"request id {req.request_id!r} is already streaming")
         if self._queued_beyond_free_slots() >= self.config.max_queue:
             raise QueueFullError(f"decode queue is full ({self.config.max_queue} waiting)", 1.0)
-        group = ChoiceGroup.new(req, self.eos_ids, vocab)  # a grammar rejecting a token 0 raises here
-        if any((c.first_token_id is None) != self.colocated for c in req.choices):
-            raise ValueError("each choice needs its token 0 from the prefill (disaggregated), none colocated")
+        if not self.colocated and any(c.first_token_id is None for c in req.choices):
+            raise ValueError("each choice needs its token 0 from the prefill (disaggregated)")
+        if self.colocated and len(req.choices) > 1 and any(c.first_token_id is not None for c in req.choices):
+            raise ValueError("colocated, choices carry no token 0 (a continuation, which does, is one choice alone)")
+        if req.prompt_logprobs is not None and req.choices[0].first_token_id is not None:
+            raise ValueError("a continuation takes no prompt log-probs (token 0 carried them)")
+        if req.handle is not None and req.handle.n_tokens != n_kv:
+            raise ValueError(f"the KV handle holds {req.handle.n_tokens} tokens; this request needs {n_kv}")
+        if (sent := len(req.choices[0].generated)) >= req.sampling.max_tokens:
+            raise ValueError(f"{sent} tokens sent leave nothing of max_tokens={req.sampling.max_tokens} to decode")
+        group = ChoiceGroup.new(req, self.eos_ids, vocab)  # a grammar rejecting a sent token raises here
         forks = [st.seq_id for st in group.streams[1:]]
-        self.scheduler.add(group.head.seq_id, n_prompt, arrival=group.head.enqueued, forks=forks)
+        self.scheduler.add(group.head.seq_id, n_kv, arrival=group.head.enqueued, forks=forks)
         self.groups[req.request_id] = group
         self.streams.update((st.seq_id, st) for st in group.streams)
         self._loop.wake()
@@ -252,9 +266,11 @@ class DecodeWorker:
         seqs = [self._decode_seq(st) for st in decode]
         asks = [chunk_ask(st.req.prompt_token_ids, c.start_pos, len(c.token_ids), st.req.prompt_logprobs)
                 for st, c in zip(prefill_streams, chunks, strict=True)]
-        # the prefill groups whose prompt this step completes: token 0 of each of their choices
+        # the prefill groups whose prompt this step completes: token 0 of each of their choices (a
+        # continuation's next token was sent already: it samples nothing here)
         ending = [(row, [m.sampler for m in g.streams]) for row, (g, c) in enumerate(zip(prefill_groups, chunks,
-                  strict=True)) if g.head.prefilled + len(c.token_ids) == len(g.head.req.prompt_token_ids)]
+                  strict=True)) if g.head.prefilled + len(c.token_ids) == len(g.head.req.kv_token_ids)
+                  and g.head.next_token is None]
         try:  # the forward and the sampling, off the event loop: the loop never waits on the device
             t0 = time.monotonic()
             sampled, scored = await self.engine.model_thread.run(self._forward, seqs, chunks, asks,
@@ -351,7 +367,7 @@ class DecodeWorker:
     def _plan_prefill(self) -> tuple[list[PrefillChunk], list[ChoiceGroup]]:
         """Colocated only: whole prompts at once, or ``prefill_chunk_size`` tokens this step split as
         the prefill pool splits its budget (`engine.prefill_planner`); into each group's head."""
-        remaining = [len(g.head.req.prompt_token_ids) - g.head.prefilled for g in self.prefilling]
+        remaining = [len(g.head.req.kv_token_ids) - g.head.prefilled for g in self.prefilling]
         budget = self.config.prefill_chunk_size or sum(remaining)
         cap = self.config.prefill_chunk_size or max(remaining, default=1)
         chunks: list[PrefillChunk] = []
@@ -362,7 +378,7 @@ class DecodeWorker:
             st = group.head
             seq = self.scheduler.get(st.seq_id)
             assert seq is not None
-            prompt = st.req.prompt_token_ids
+            prompt = st.req.kv_token_ids  # a continuation's: the prompt and the tokens sent but the last
             chunks.append(PrefillChunk(prompt[st.prefilled : st.prefilled + n], st.prefilled, seq.block_ids,
                                        prompt_len=len(prompt)))
             groups.append(group)
@@ -382,10 +398,12 @@ class DecodeWorker:
                 member.prefill_s += dt
             if (part := scored[row]) is not None:
                 st.prompt_scores = part if st.prompt_scores is None else st.prompt_scores + part
-            if st.prefilled < len(st.req.prompt_token_ids):
+            if st.prefilled < len(st.req.kv_token_ids):
                 continue
             self.prefilling.remove(group)
             group.kv_in(self.scheduler, self.engine.cache)
+            if row not in firsts:
+                continue  # a continuation: it feeds its last sent token at the next decode step
             # token 0 of every choice from the same logits row, each with its own sampler (seed);
             # the prompt's log-probs ride on the head's
             for m, tok, lp, top in zip(group.streams, *firsts[row], strict=True):

@@ -156,7 +156,8 @@ class Router:
         self._backends = Backends(prefill_handle, decode_handle, config.prefill_timeout_s,
                                   config.token_timeout_s, config.ready_timeout_s)
         self._admission = Admission(config.max_inflight_requests)
-        self._generation = Generation(self._backends, self._codec, self._metrics, self._admission)
+        self._generation = Generation(self._backends, self._codec, self._metrics, self._admission,
+                                      config.migration_limit)
         self._keys = tuple(k.encode() for k in config.api_keys)
         self._drain = DrainFlag(current_app_name())
         self._metrics.track_in_flight(lambda: self._admission.in_flight)

@@ -9,8 +9,9 @@ Invariants:
   unavailable, deployment unavailable) is retried exactly once, and Serve routes the retry afresh
   (a dead replica is dropped from its set); a second such failure is a 503. Errors the replica
   raised itself (queue full, context too long, bugs) are never retried;
-- a call that outlives its timeout is cancelled, then answered with a 503 (prefill) or an error
-  event (decode, per token);
+- a call that outlives its timeout is cancelled, then answered with a 503 (prefill); a decode
+  stream whose replica went away or sent nothing within the token timeout raises `DecodeLost`
+  (the caller moves the request's choices elsewhere, `router.migration`) after cancelling it;
 - leaving a `generate` context early — stop string, client disconnect, error — cancels the
   decode stream, so the decode replica frees the request's blocks;
 - a handle no decode replica took (the request ended between token 0 and the decode call) is
@@ -35,6 +36,7 @@ from decode_worker.types import DecodeRequest, TokenEvent
 from kv_transfer.handle import KVHandle
 from prefill_worker.types import PrefillRequest, PrefillResult
 from router.errors import APIError, unavailable
+from router.migration import REPLICA_DIED, TOKEN_TIMEOUT, DecodeLost
 
 logger = logging.getLogger("pdserve.router")
 
@@ -44,10 +46,6 @@ REPLICA_GONE: tuple[type[BaseException], ...] = (RayActorError, DeploymentUnavai
 
 #: a background release of an unpulled handle gives up after this (the lease frees it anyway)
 RELEASE_TIMEOUT_S = 10.0
-
-
-class TokenTimeoutError(Exception):
-    """No decode event arrived within the per-token timeout."""
 
 
 class Backends:
@@ -108,10 +106,10 @@ class Backends:
                     finished = True
                     return
                 except asyncio.TimeoutError:
-                    raise TokenTimeoutError(
-                        f"no token from the decode pool within {self._token_timeout_s:g} s") from None
+                    raise DecodeLost(TOKEN_TIMEOUT,
+                                     f"no token from the decode pool within {self._token_timeout_s:g} s") from None
                 except REPLICA_GONE as e:
-                    raise unavailable("the decode replica serving this request went away") from e
+                    raise DecodeLost(REPLICA_DIED, "the decode replica serving this request went away") from e
                 if event.finish_reason is not None:
                     going.discard(event.index)
                     finished = not going  # before the yield: a consumer may stop at the last event

@@ -30,6 +30,7 @@ class RouterConfig:
     token_timeout_s: float = 60.0  # longest wait for the next decode event; then an error event
     ready_timeout_s: float = 5.0  # each pool's ready() call behind /ready
     max_inflight_requests: int | None = None  # generations in flight on this replica; past it 429 (None: no bound)
+    migration_limit: int = 3  # times a choice's stream may move off a decode replica that went away (router.migration)
     max_choices: int = MAX_CHOICES  # n per request (the cluster: no more than a decode replica runs at once)
     objectives: Objectives = field(default_factory=Objectives)  # TTFT/TPOT per request class (empty: none)
 
@@ -42,6 +43,8 @@ class RouterConfig:
             raise ValueError("max_inflight_requests must be at least 1")
         if not 1 <= self.max_choices <= MAX_CHOICES:
             raise ValueError(f"max_choices must be in 1..{MAX_CHOICES}")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
         for name in ("prefill_timeout_s", "token_timeout_s", "ready_timeout_s"):

@@ -17,6 +17,11 @@ more and the decode call resubmitted, keeping the token 0 already sent. A reques
 any decode replica answered for its handle (client gone after token 0, decode refused) has the
 handle released (`Backends.release`) rather than left to its lease.
 
+A decode stream lost mid-request (its replica died, or sent nothing for the token timeout:
+`router.migration.DecodeLost`) is cancelled and each of its choices still going continues as a
+decode call of its own, carrying the tokens sent (`router.lanes` reads the calls as one stream);
+the client sees a pause. Past ``migration_limit`` moves of a choice the request fails.
+
 Admission (`router.admission`) comes first: a replica at its bound of requests in flight refuses
 with 429 before the prefill, so nothing it admits is later dropped for load.
 
@@ -41,19 +46,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator
 
 from decode_worker.types import KV_LOST, DecodeChoice, DecodeRequest, DecodeTimings, TokenEvent
 from engine.sampling.prompt_logprobs import PromptLogprobs
-from engine.sampling.sampler import SamplingParams, TopLogprobs
 from kv_transfer.handle import KVHandle
 from prefill_worker.types import PrefillRequest
 from router.admission import Admission
-from router.backends import Backends, TokenTimeoutError
-from router.codec import Detokenizer, TextCodec
+from router.backends import Backends
+from router.choice_state import ChoiceState, Delta, GenerationInput, RequestState
+from router.codec import TextCodec
+from router.lanes import Lane, Lanes
 from router.metrics import RouterMetrics
+from router.migration import DecodeLost, continuation, continuation_id, continuation_prefill
 from router.stops import StopMatcher
+
+__all__ = ["Delta", "Generation", "GenerationInput", "StreamError"]
 
 logger = logging.getLogger("pdserve.router")
 
@@ -61,88 +69,35 @@ class StreamError(Exception):
     """The decode pool ended the stream with an error (or stopped answering)."""
 
 
-@dataclass(frozen=True)
-class GenerationInput:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    stop_strings: tuple[str, ...] = ()
-    include_stop_str: bool = False  # the matched stop string, or the stop token's text, ends the text
-    skip_special_tokens: bool = True
-    prompt_logprobs: int | None = None  # the prompt's log-probs, this many alternatives each (None: not asked)
-    arrival_time: float = field(default_factory=time.time)  # wall clock, for worker queue metrics
-    arrival_mono: float = field(default_factory=time.perf_counter)  # for our latency metrics
-    n: int = 1  # choices (`engine.sampling.choices.MAX_CHOICES` at most, bounded by the request model)
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float | None, ...]
-    finish_reason: str | None = None
-    top_logprobs: tuple[TopLogprobs, ...] = ()  # one per token when the request asks, else empty
-    cached_tokens: int = 0  # on token 0's delta: prompt tokens the prefill took from its prefix cache
-    prompt_logprobs: PromptLogprobs | None = None  # on token 0's delta (choice 0's), when the request asks
-    index: int = 0  # the choice
-
-
-@dataclass
-class _Choice:
-    """One choice as the router follows it."""
-
-    detok: Detokenizer
-    stops: StopMatcher
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    last_sent: float | None = None  # for its inter-token latency
-
-
-@dataclass
-class _State:
-    choices: list[_Choice]
-    first_sent: float | None = None
-    last_sent: float | None = None
-    decoded: bool = False  # a decode event brought a token
-    timed: bool = False  # the decode side's timings are recorded (once per request, not per choice)
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.choices)
-
-
 class Generation:
     """Streams one request (see the module docstring)."""
 
     def __init__(self, backends: Backends, codec: TextCodec, metrics: RouterMetrics,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, migration_limit: int = 3) -> None:
         self._backends = backends
+        self._migration_limit = migration_limit
         self._codec = codec
         self._metrics = metrics
         self._admission = admission or Admission(None)
 
     async def stream(self, inp: GenerationInput) -> AsyncGenerator[Delta, None]:
-        st = _State([_Choice(self._codec.detokenizer(inp.skip_special_tokens),
+        st = RequestState([ChoiceState(self._codec.detokenizer(inp.skip_special_tokens),
                              StopMatcher(inp.stop_strings, inp.include_stop_str)) for _ in range(inp.n)])
         stop_ids = frozenset(inp.sampling.stop_token_ids)
         if not inp.sampling.ignore_eos:
             stop_ids |= frozenset(self._codec.eos_token_ids)
         self._admission.enter()  # 429 now, before any token, if this replica is at its bound
-        unclaimed = None  # a handle no decode replica has answered for yet: released if we end here
+        lanes = Lanes(self._backends)
         try:
             firsts: dict[int, int | None] = dict.fromkeys(range(inp.n))  # choice → token 0 (colocated: None)
             handle = None
             if self._backends.disaggregated:
                 result = await self._backends.prefill(self._prefill_request(inp, scored=True))
-                handle = unclaimed = result.handle  # released if we end before a decode replica has it
+                handle = result.handle
                 self._metrics.queue.observe(result.timings.queue_s)
                 self._metrics.prefill.observe(result.timings.prefill_s)
                 for i, ft in enumerate(result.choices):
-                    delta = self._advance(st.choices[i], inp, stop_ids, (ft.token_id,), (ft.logprob,),
+                    delta = st.choices[i].advance(inp, stop_ids, (ft.token_id,), (ft.logprob,),
                                           (ft.top_logprobs,), ft.finish_reason)
                     delta = dataclasses.replace(delta, cached_tokens=result.num_cached_tokens, index=i)
                     if i == 0:
@@ -150,50 +105,86 @@ class Generation:
                     yield self._sent(st, delta)
                     firsts[i] = ft.token_id
                 if st.finished:
+                    if handle is not None:
+                        self._backends.release(handle)
                     return
-            req = self._decode_request(inp, st, firsts, handle)
-            rebuilds = 1 if handle is not None else 0  # times the prompt's KV may be prefilled again
-            while True:
-                lost: str | None = None
-                async with self._backends.generate(req) as events:
-                    async for ev in events:
-                        unclaimed = None  # the decode replica has it: it pulls, releases or requeues
-                        if ev.finish_reason == "error":
-                            if ev.error_code == KV_LOST and rebuilds and not st.decoded:
-                                lost = ev.error or "KV lost"
-                                break
-                            raise StreamError(ev.error or "the decode pool failed this request")
-                        if ev.timings is not None and not st.timed:
-                            st.timed = True
-                            self._record_timings(ev.timings)
-                        choice = st.choices[ev.index]
-                        if choice.finish_reason is not None:
-                            continue  # ended here (a stop string): the replica runs it until all end
-                        st.decoded = st.decoded or bool(ev.token_ids)
-                        delta = self._advance(choice, inp, stop_ids, ev.token_ids, _logprobs(ev),
-                                              ev.top_logprobs or (), ev.finish_reason)
-                        delta = dataclasses.replace(delta, index=ev.index)
-                        if handle is None and st.first_sent is None:  # colocated: token 0's event
-                            delta = _with_prompt_logprobs(delta, inp, ev.prompt_logprobs)
-                        yield self._sent(st, delta)
-                        if st.finished:
-                            return
-                if lost is None:
-                    break
-                rebuilds -= 1
-                if req.handle is not None:
-                    self._backends.release(req.handle)  # if its source still holds it (e.g. requeued)
-                req = await self._prefill_again(inp, req, lost)
-                unclaimed = req.handle
+            rebuild = self._prefill_request(inp) if handle is not None else None
+            lanes.start(Lane(self._decode_request(inp, st, firsts, handle), rebuild))
+            while lanes:
+                lane, ev = await lanes.next()
+                if isinstance(ev, DecodeLost):
+                    lanes.abandon(lane)
+                    for new in await self._migrate(inp, st, lane, ev):
+                        lanes.start(new)
+                    continue
+                if isinstance(ev, Exception):
+                    raise ev
+                if ev is None:
+                    if any(st.choices[i].finish_reason is None for i in lane.indices):
+                        raise StreamError("the decode stream ended without a finish reason")
+                    continue
+                lane.claimed = True  # the decode replica has it: it pulls, releases or requeues
+                if ev.finish_reason == "error":
+                    if ev.error_code == KV_LOST and lane.rebuild is not None and not lane.decoded:
+                        lanes.stop(lane)
+                        assert lane.handle is not None
+                        self._backends.release(lane.handle)  # if its source still holds it (e.g. requeued)
+                        lanes.start(await self._prefill_again(lane, ev.error or "KV lost"))
+                        continue
+                    raise StreamError(ev.error or "the decode pool failed this request")
+                if ev.timings is not None and not st.timed:
+                    st.timed = True
+                    self._record_timings(ev.timings)
+                choice = st.choices[ev.index]
+                if choice.finish_reason is not None:
+                    continue  # ended here (a stop string): the replica runs it until all end
+                lane.decoded = lane.decoded or bool(ev.token_ids)
+                delta = choice.advance(inp, stop_ids, ev.token_ids, _logprobs(ev),
+                                      ev.top_logprobs or (), ev.finish_reason)
+                delta = dataclasses.replace(delta, index=ev.index)
+                if handle is None and st.first_sent is None:  # colocated: token 0's event
+                    delta = _with_prompt_logprobs(delta, inp, ev.prompt_logprobs)
+                yield self._sent(st, delta)
+                if st.finished:
+                    return
+                if all(st.choices[i].finish_reason is not None for i in lane.indices):
+                    lanes.stop(lane)  # its choices ended here (stop strings): it need run no further
             if not st.finished:
                 raise StreamError("the decode stream ended without a finish reason")
-        except TokenTimeoutError as e:
-            raise StreamError(str(e)) from None
         finally:
-            if unclaimed is not None:  # client gone, decode refused or unreachable: free it now
-                self._backends.release(unclaimed)
+            lanes.close()  # client gone, decode refused or unreachable: streams cancelled, handles freed
             self._admission.leave()
             self._finish(st, inp)
+
+    async def _migrate(self, inp: GenerationInput, st: RequestState, lane: Lane, lost: DecodeLost) -> list[Lane]:
+        """``lane``'s decode replica went away: a continuation of each of its choices still going,
+        each on its own (`router.migration`); a choice moved ``migration_limit`` times already fails
+        the request."""
+        live = [i for i in lane.indices if st.choices[i].finish_reason is None]
+        moved = max((st.choices[i].moves for i in live), default=0)
+        if moved >= self._migration_limit:
+            raise StreamError(f"{lost} (the stream was moved {moved} times already; "
+                              f"migration_limit is {self._migration_limit})")
+        self._metrics.migrations.labels(reason=lost.reason).inc()
+        logger.warning("decode stream of %s lost (%s: %s); continuing choices %s elsewhere",
+                       inp.request_id, lost.reason, lost, live)
+        out = []
+        for i in live:
+            st.choices[i].moves += 1
+            sent = tuple(st.choices[i].sent)
+            rid = continuation_id(inp.request_id, st.choices[i].moves, i)
+            if not sent:  # colocated, before token 0: the choice as it was asked
+                out.append(Lane(DecodeRequest(rid, inp.prompt_token_ids, inp.sampling, arrival_time=inp.arrival_time,
+                                              choices=(DecodeChoice(i),), prompt_logprobs=inp.prompt_logprobs)))
+                continue
+            handle, rebuild = None, None
+            if self._backends.disaggregated:
+                rebuild = continuation_prefill(rid, inp.prompt_token_ids, sent, inp.arrival_time)
+                handle = await self._kv_for(rebuild, str(lost))
+            self._metrics.migrated_tokens.inc(len(inp.prompt_token_ids) + len(sent) - 1)
+            out.append(Lane(continuation(rid, inp.prompt_token_ids, inp.sampling, i, sent, handle,
+                                         inp.arrival_time), rebuild))
+        return out
 
     @staticmethod
     def _prefill_request(inp: GenerationInput, scored: bool = False) -> PrefillRequest:
@@ -203,7 +194,7 @@ class Generation:
                               prompt_logprobs=inp.prompt_logprobs if scored else None)
 
     @staticmethod
-    def _decode_request(inp: GenerationInput, st: _State, firsts: dict[int, int | None],
+    def _decode_request(inp: GenerationInput, st: RequestState, firsts: dict[int, int | None],
                         handle: KVHandle | None) -> DecodeRequest:
         """The decode call: the choices still going (at least one: a request every choice of which
         ended at token 0 never gets here), each with its token 0 (colocated: None)."""
@@ -212,58 +203,23 @@ class Generation:
                              sampling=inp.sampling, choices=live, handle=handle, arrival_time=inp.arrival_time,
                              prompt_logprobs=None if handle is not None else inp.prompt_logprobs)
 
-    async def _prefill_again(self, inp: GenerationInput, req: DecodeRequest, why: str) -> DecodeRequest:
-        """The decode pool could not pull the prompt's KV (its prefill replica died after answering,
+    async def _prefill_again(self, lane: Lane, why: str) -> Lane:
+        """The decode pool could not pull the lane's KV (its prefill replica died after answering,
         or the lease ran out while the request queued): prefill it again, on whichever replica
-        Serve picks, and resubmit with the new handle. The client already has every choice's
-        token 0, so the request keeps those tokens whatever the new prefill samples; only its KV is used."""
-        logger.warning("KV of %s was lost before decode (%s); prefilling again", inp.request_id, why)
-        result = await self._backends.prefill(self._prefill_request(inp))
+        Serve picks, and resubmit with the new handle (once). The client already has every token
+        sent, so the request keeps them whatever the new prefill samples; only its KV is used."""
+        logger.warning("KV of %s was lost before decode (%s); prefilling again", lane.req.request_id, why)
+        assert lane.rebuild is not None
+        handle = await self._kv_for(lane.rebuild, why)
+        return Lane(dataclasses.replace(lane.req, handle=handle))
+
+    async def _kv_for(self, req: PrefillRequest, why: str) -> KVHandle:
+        result = await self._backends.prefill(req)
         if result.handle is None:
-            raise StreamError(f"the prompt's KV was lost ({why}) and could not be rebuilt")
-        return dataclasses.replace(req, handle=result.handle)
+            raise StreamError(f"the KV was lost ({why}) and could not be rebuilt")
+        return result.handle
 
-    def _advance(
-        self,
-        st: _Choice,
-        inp: GenerationInput,
-        stop_ids: frozenset[int],
-        token_ids: Sequence[int],
-        logprobs: Sequence[float | None],
-        tops: Sequence[TopLogprobs],
-        finish_reason: str | None,
-    ) -> Delta:
-        """Account for a choice's new tokens; returns the text they release and, if they end it, why."""
-        detok, stops = st.detok, st.stops
-        text: list[str] = []
-        kept_ids: list[int] = []
-        kept_lps: list[float | None] = []
-        kept_tops: list[TopLogprobs] = []
-        for i, tid in enumerate(token_ids):
-            st.num_tokens += 1
-            kept_ids.append(tid)
-            kept_lps.append(logprobs[i] if i < len(logprobs) else None)
-            kept_tops.append(tops[i] if i < len(tops) else ())
-            piece = detok.push(tid) if inp.include_stop_str or tid not in stop_ids else ""
-            text.append(stops.feed(piece, armed=st.num_tokens > inp.sampling.min_tokens))
-            if stops.finished:
-                st.finish_reason = "stop"
-                break
-            if tid in stop_ids:
-                st.finish_reason = "stop"
-                break
-            if st.num_tokens >= inp.sampling.max_tokens:
-                st.finish_reason = "length"
-                break
-        if st.finish_reason is None and finish_reason is not None:
-            st.finish_reason = finish_reason
-        if st.finish_reason is not None and not stops.finished:
-            text.append(stops.feed(detok.flush()))
-            text.append(stops.flush())
-        top = tuple(kept_tops) if inp.sampling.top_logprobs else ()
-        return Delta("".join(text), tuple(kept_ids), tuple(kept_lps), st.finish_reason, top)
-
-    def _sent(self, st: _State, delta: Delta) -> Delta:
+    def _sent(self, st: RequestState, delta: Delta) -> Delta:
         now = time.perf_counter()
         choice = st.choices[delta.index]
         if st.first_sent is None:
@@ -280,7 +236,7 @@ class Generation:
         else:
             self._metrics.kv_transfer.observe(t.transfer_s)
 
-    def _finish(self, st: _State, inp: GenerationInput) -> None:
+    def _finish(self, st: RequestState, inp: GenerationInput) -> None:
         """Per request: prompt tokens once, every choice's tokens, TPOT over the longest choice (the
         choices advance together, a token each per step); success counted per choice that finished."""
         m = self._metrics

@@ -13,6 +13,7 @@ reference (the request router class is shipped by value and finds the board thro
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,10 +23,15 @@ __all__ = ["deployments", "publish", "report_to_stats", "snapshot", "stats_to_re
 
 _FIELDS = {f.name for f in dataclasses.fields(LoadReport)}
 
+#: routing stats' wall-clock time of the report: it changes with every poll, so a router sees a
+#: replica's stats stop changing when the replica stops answering (`router.replica_router`)
+REPORTED_AT = "reported_at"
+
 
 def report_to_stats(report: LoadReport) -> dict[str, Any]:
-    """A `LoadReport` as Serve routing stats (plain values only: the controller relays them)."""
-    return dataclasses.asdict(report)
+    """A `LoadReport` as Serve routing stats (plain values only: the controller relays them), with
+    the time of the report (`REPORTED_AT`)."""
+    return {**dataclasses.asdict(report), REPORTED_AT: time.time()}
 
 
 def stats_to_report(replica_id: str, stats: Mapping[str, Any], role: str = "") -> LoadReport:

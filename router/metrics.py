@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from router import loadboard
+from router.migration import MIGRATION_REASONS
 from router.objectives import SLOClass, attained
 from router.path_policy import Path, PathDecision
 
@@ -108,6 +109,12 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.", registry=r)
         self.success = Counter("pdserve:request_success", "Requests finished, by finish reason.",
                                ["finish_reason"], registry=r)
+        self.migrations = Counter("pdserve:router_migrations", "Decode streams moved to another decode replica "
+                                  "mid-request (router.migration), by reason.", ["reason"], registry=r)
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(reason=reason)  # every reason reads 0 before its first
+        self.migrated_tokens = Counter("pdserve:router_migration_recomputed_tokens", "Tokens whose KV a "
+                                       "migration built again (prompt and tokens sent but the last).", registry=r)
         self.slo = Counter("pdserve:slo_requests", "Finished requests judged against their class's TTFT and TPOT "
                            "objectives (router.objectives), by class, path and whether both were met.",
                            ["slo_class", "path", "attained"], registry=r)

@@ -20,6 +20,20 @@ therefore books its tokens on the chosen replica at once (a *tentative* entry); 
 moves them to the replica that really took the request, and a tentative entry never confirmed (the
 caller gave up) expires after `TENTATIVE_TTL_S`.
 
+Why replicas that died are remembered: Serve drops a replica from its set when a call to it fails
+because the actor died, but puts it back with the next replica-info update (routing stats arrive
+every stats period) until its controller notices the death (a health check, seconds later). Until
+then a policy would see an idle replica (its calls all ended) and send it the very continuations
+that its death caused (`router.migration`). So a replica reported dead is never a candidate again
+(replica ids are never reused), and its last load report is not published.
+
+Why replicas whose stats stopped changing come last: a replica that hangs (stopped, deadlocked,
+partitioned) still looks alive to Serve, and after its streams were moved away (`router.migration`)
+it looks idle; Serve's own accept round trip to it never returns. Its routing stats stop changing
+(every report carries its time, `router.loadboard.REPORTED_AT`), so a replica whose stats have not
+changed for ``stale_after_s`` is a candidate only when no other is. Staleness is measured on this
+process's clock (when the stats last changed here), never by comparing clocks across hosts.
+
 Invariants: the policy functions stay pure; this class holds only the token book (a request counts
 on at most one replica at a time: tentative from its choice, confirmed from its routing, gone exactly
 once when it completes) and publishes every replica-info update to `router.loadboard` for
@@ -70,13 +84,17 @@ def request_weight(pending_request: PendingRequest, tokens: Sequence[int]) -> in
 class LoadAwareRequestRouter(RequestRouter):
     """Routes by `router.policy` over replica load reports (see the module docstring)."""
 
-    def initialize_state(self, policy: str = "least_outstanding_tokens", **params: Any) -> None:
+    def initialize_state(self, policy: str = "least_outstanding_tokens", stale_after_s: float = 5.0,
+                         **params: Any) -> None:
         self._policy = policy
+        self._stale_after_s = stale_after_s
+        self._stats_seen: dict[str, tuple[Any, float]] = {}  # replica -> (its report's time, when that changed here)
         self._params = AffinityParams(**{k: v for k, v in params.items() if k in _PARAM_FIELDS})
         self._lock = threading.Lock()
         self._inflight: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, tokens)
         self._inflight_tokens: dict[str, int] = {}  # replica -> tokens (tentative and confirmed)
         self._tentative: dict[str, float] = {}  # internal request id -> when chosen (not yet confirmed)
+        self._dead: set[str] = set()  # replicas a call found dead, while Serve may still list them
 
     def _report(self, replica: RunningReplica) -> LoadReport:
         rid = replica.replica_id.unique_id
@@ -93,8 +111,13 @@ class LoadAwareRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in self._dead]
         if not candidate_replicas:
             return []
+        now = time.monotonic()
+        fresh = [r for r in candidate_replicas
+                 if now - self._stats_seen.get(r.replica_id.unique_id, (None, now))[1] <= self._stale_after_s]
+        candidate_replicas = fresh or candidate_replicas
         tokens = request_tokens(pending_request)
         if tokens is not None and pending_request is not None:
             self._unbook(pending_request.metadata.internal_request_id)  # a retry re-chooses from scratch
@@ -153,7 +176,21 @@ class LoadAwareRequestRouter(RequestRouter):
         else:
             self._inflight_tokens.pop(rid, None)
 
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        self._dead.add(replica_id.unique_id)
+        super().on_replica_actor_died(replica_id)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        listed = {r.replica_id.unique_id for r in replicas}
+        self._dead &= listed  # the controller dropped the rest: nothing left to filter
+        replicas = [r for r in replicas if r.replica_id.unique_id not in self._dead]
+        now = time.monotonic()
+        seen = {}
+        for r in replicas:
+            at = (r.routing_stats or {}).get(loadboard.REPORTED_AT)
+            old = self._stats_seen.get(r.replica_id.unique_id)
+            seen[r.replica_id.unique_id] = old if old is not None and old[0] == at else (at, now)
+        self._stats_seen = seen
         super().update_replicas(replicas)
         loadboard.publish(
             self._deployment_id.name,
@@ -176,9 +213,9 @@ def with_routing_stats(cls: type[T]) -> type[T]:
     return type(cls.__name__, (cls,), namespace)
 
 
-def router_config_kwargs(policy: str, params: AffinityParams) -> dict[str, Any]:
+def router_config_kwargs(policy: str, params: AffinityParams, stale_after_s: float = 5.0) -> dict[str, Any]:
     """``request_router_kwargs`` for `LoadAwareRequestRouter.initialize_state` (JSON-able values)."""
-    return {"policy": policy, **dataclasses.asdict(params)}
+    return {"policy": policy, "stale_after_s": stale_after_s, **dataclasses.asdict(params)}
 
 
 def serve_router_config(
@@ -189,7 +226,8 @@ def serve_router_config(
     """The ``request_router_config`` that puts a deployment's handles on `LoadAwareRequestRouter`."""
     options: dict[str, Any] = {  # a dict: Ray types RequestRouterConfig's kwargs as dicts
         "request_router_class": LoadAwareRequestRouter,
-        "request_router_kwargs": router_config_kwargs(policy, params or AffinityParams()),
+        # stats unchanged for this long: the replica stopped answering the controller's polls
+        "request_router_kwargs": router_config_kwargs(policy, params or AffinityParams(), max(2.0, 4 * stats_period_s)),
         "request_routing_stats_period_s": stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 3 * stats_period_s),
     }

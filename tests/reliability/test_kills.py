@@ -1,10 +1,12 @@
-"""SIGKILL a replica under load: prefill deaths are invisible to clients, decode deaths end streams cleanly.
+"""SIGKILL a replica under load: prefill deaths are invisible to clients; with migration off
+(``migration_limit: 0``), decode deaths end streams cleanly with an error event.
 
 One app for the module: 2 journaled prefill replicas (0.3 s before each prefill, so a kill lands on
 requests waiting for token 0) and 2 journaled decode replicas (20 ms between streamed events, so
 streams are long enough to be cut), real tiny model, KV over gloo. The journals
 (`tests.support.journaled_replicas`) say which replica saw which request, so the test knows exactly which
-requests were in flight on the victim.
+requests were in flight on the victim. What a decode death costs with migration on (the default: the
+streams continue elsewhere, exactly) is `tests.reliability.test_migration`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class Journals:
 def app(serve_base: str, tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Journals]:
     log_dir = str(tmp_path_factory.mktemp("kill-journals"))
     args = cluster_args(tiny_model, prefill={"num_replicas": 2}, decode={"num_replicas": 2},
-                        kv={"timeout_s": 10}, limits={"token_timeout_s": TOKEN_TIMEOUT_S, "prefill_timeout_s": 30})
+                        kv={"timeout_s": 10}, limits={"token_timeout_s": TOKEN_TIMEOUT_S, "prefill_timeout_s": 30,
+                                                     "migration_limit": 0})
     cfg = ClusterConfig.from_args(args)
     application = compose_app(cfg, prefill_cls=journaled_prefill(log_dir, 0.3),
                               decode_cls=journaled_decode(log_dir, 0.02, HOLD_SEED, HOLD_S))
@@ -142,7 +145,8 @@ def test_prefill_replica_killed_under_load(app: Journals) -> None:
 
 
 def test_decode_replica_killed_under_load(app: Journals) -> None:
-    """Kill a decode replica mid-stream: its streams end with an error event in time, others finish."""
+    """Kill a decode replica mid-stream, migration off: its streams end with an error event in time
+    (one that says the limit was reached), others finish."""
     pids = set(read_journals(app.dir, "decode"))
     assert len(pids) == 2, pids
     max_tokens = 300  # at 20 ms per event: a stream lasts ≥ 6 s
@@ -200,7 +204,7 @@ def test_decode_replica_killed_under_load(app: Journals) -> None:
     assert cut and kept, (len(cut), len(kept))
     for r in cut:
         assert r.status == 200 and r.error is not None and r.done, (r.error, r.done, r.transport_error)
-        assert set(r.error) == {"message", "type", "param", "code"}
+        assert set(r.error) == {"message", "type", "param", "code"} and "migration_limit is 0" in r.error["message"]
         assert r.usage_tokens is None and r.finish_reason is None
     assert end_s < TOKEN_TIMEOUT_S
     for r in kept:

@@ -14,7 +14,7 @@ import pytest
 
 from engine.sampling.sampler import SamplingParams
 from prefill_worker.types import PrefillRequest
-from router import replica_router
+from router import loadboard, replica_router
 from router.replica_router import LoadAwareRequestRouter
 
 pytestmark = pytest.mark.timeout(30)
@@ -104,3 +104,40 @@ def test_fresher_stats_win_over_a_smaller_book() -> None:
     router = make_router()
     reps = [replica("a", outstanding=1000), replica("b")]
     assert [choose(router, reps, pending(f"r{i}")) for i in range(3)] == ["b", "b", "b"]
+
+
+def test_a_replica_found_dead_is_never_chosen_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve lists a dead replica again (with its idle stats) until its controller notices the death:
+    the continuations its death caused must not go back to it, whatever the policy."""
+    monkeypatch.setattr(replica_router.RequestRouter, "on_replica_actor_died", lambda self, r: None)
+    for policy in ("least_outstanding_tokens", "prefix_affinity"):
+        router = make_router(policy)
+        reps = [replica("a"), replica("b", outstanding=10_000)]  # the dead one looks idle
+        req = pending("r0")
+        assert choose(router, reps, req) == "a"
+        router.on_replica_actor_died(rid("a"))
+        assert [choose(router, reps, pending(f"r{i}")) for i in range(1, 4)] == ["b"] * 3
+        assert asyncio.run(router.choose_replicas([replica("a")], pending("r9"))) == []
+
+
+def test_a_replica_whose_stats_stopped_changing_comes_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung replica (its stats unchanged past ``stale_after_s``, on this process's clock) is chosen
+    only when no other replica is left, however idle it looks."""
+    monkeypatch.setattr(replica_router.RequestRouter, "update_replicas", lambda self, r: None)
+    now = [100.0]
+    monkeypatch.setattr(replica_router.time, "monotonic", lambda: now[0])
+    router = LoadAwareRequestRouter.__new__(LoadAwareRequestRouter)
+    router.initialize_state(policy="least_outstanding_tokens", stale_after_s=2.0)
+    router._deployment_id = SimpleNamespace(name="test-stale-decode")  # Serve's, for the load board
+
+    def stats(name: str, at: float, outstanding: int) -> Any:
+        return SimpleNamespace(replica_id=rid(name), routing_stats={"outstanding_tokens": outstanding,
+                                                                     loadboard.REPORTED_AT: at})
+
+    router.update_replicas([stats("hung", 1.0, 0), stats("busy", 1.0, 5_000)])
+    assert choose(router, [stats("hung", 1.0, 0), stats("busy", 1.0, 5_000)], pending("r0")) == "hung"
+    now[0] += 3.0  # the controller's polls of "hung" stopped answering; "busy" reports on
+    reps = [stats("hung", 1.0, 0), stats("busy", 4.0, 5_000)]
+    router.update_replicas(reps)
+    assert [choose(router, reps, pending(f"r{i}")) for i in range(1, 4)] == ["busy"] * 3
+    assert choose(router, reps[:1], pending("r9")) == "hung"  # the last resort is still a resort

@@ -4,8 +4,9 @@
 the real `PrefillServer` / `DecodeServer`: each replica appends every request id it receives to
 ``<log_dir>/<role>-<pid>.log`` (flushed per line, so the file survives a SIGKILL) and may sleep
 ``delay_s`` before a prefill or between streamed decode events (or hold chosen requests before
-decoding them), so that a kill reliably lands on requests in flight. Everything else is the real
-code path: engine, outbox, KV source, gloo pulls.
+decoding them, or hold every stream until the test opens a gate: a file it creates), so that a
+kill reliably lands on requests in flight. Everything else is the real code path: engine, outbox,
+KV source, gloo pulls.
 
 The classes are built at run time, so cloudpickle ships them by value (the bases by reference).
 """
@@ -48,11 +49,12 @@ def journaled_prefill(log_dir: str, delay_s: float = 0.0) -> type:
 
 
 def journaled_decode(log_dir: str, delay_s: float = 0.0, hold_seed: int | None = None,
-                     hold_s: float = 0.0) -> type:
+                     hold_s: float = 0.0, gate: str | None = None) -> type:
     """A `DecodeServer` that journals request ids and waits ``delay_s`` after each streamed event.
 
     A request whose sampling seed is ``hold_seed`` waits ``hold_s`` before the worker sees it, as if
-    it queued behind a full batch: its KV stays in the prefill replica's outbox meanwhile.
+    it queued behind a full batch: its KV stays in the prefill replica's outbox meanwhile. With a
+    ``gate`` (a path), every request waits before the worker sees it until that file exists.
     """
 
     class JournaledDecode(DecodeServer):
@@ -62,6 +64,8 @@ def journaled_decode(log_dir: str, delay_s: float = 0.0, hold_seed: int | None =
 
         async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
             self._journal.write(f"{req.request_id}\n")
+            while gate is not None and not Path(gate).exists():
+                await asyncio.sleep(0.02)
             if hold_seed is not None and req.sampling.seed == hold_seed:
                 await asyncio.sleep(hold_s)
             async for ev in super().generate(req):

@@ -285,11 +285,12 @@ class FakeDecode:
 
     @staticmethod
     def _start(req: DecodeRequest, c: DecodeChoice) -> list[int]:
-        """A choice's last token and the tokens it has: token 0 from the prefill, or (colocated)
-        the prompt's last token moved on by the choice's shift, and none yet."""
-        if c.first_token_id is None:
+        """A choice's last token and the tokens it has: the tokens sent (token 0 from the prefill, a
+        continuation's every one), or (colocated) the prompt's last token moved on by the choice's
+        shift, and none yet."""
+        if not c.generated:
             return [shifted(req.prompt_token_ids[-1], c.index), 0]
-        return [c.first_token_id, 1]
+        return [c.generated[-1], len(c.generated)]
 
     async def cancelled(self) -> list[str]:
         return list(self._cancelled)

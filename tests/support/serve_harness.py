@@ -123,6 +123,8 @@ class StreamResult:
     headers: dict[str, str] = field(default_factory=dict)
     request_id: str | None = None
     texts: list[str] = field(default_factory=list)  # one per content chunk
+    choice_texts: dict[int, str] = field(default_factory=dict)  # each choice's text, by its index
+    chunk_times: list[float] = field(default_factory=list)  # when each content chunk arrived (monotonic)
     usage_tokens: int | None = None
     finish_reason: str | None = None
     error: dict[str, Any] | None = None  # an SSE error event's "error", or a non-200 body's
@@ -188,11 +190,16 @@ async def _read(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: 
             if event.get("usage"):
                 res.usage_tokens = event["usage"]["completion_tokens"]
             for choice in event.get("choices") or ():
+                now = time.monotonic()
                 if res.t_first is None:
-                    res.t_first = time.monotonic()
+                    res.t_first = now
                     if on_first is not None and res.request_id:
                         on_first(res.request_id)
-                res.texts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+                text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                res.texts.append(text)
+                res.chunk_times.append(now)
+                index = choice.get("index", 0)
+                res.choice_texts[index] = res.choice_texts.get(index, "") + text
                 res.finish_reason = choice.get("finish_reason") or res.finish_reason
             if drop_after is not None and len(res.texts) >= drop_after:
                 res.dropped = True
