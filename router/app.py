@@ -76,6 +76,7 @@ from router.protocol import (
     ModelCard,
     ModelList,
 )
+from router.request_objective import objective_for
 from router.response_format import check_grammar
 from router.responses.convert import to_chat
 from router.responses.fields import IGNORED as RESPONSES_IGNORED
@@ -257,7 +258,8 @@ class Router:
         """The request's generation, started: its first Delta and the rest. ``grammar``: a forced tool
         call's (already checked), in place of ``response_format``'s. An error before the first token
         is raised as the `APIError` the client gets (429, 503, ...)."""
-        arrival_mono = time.perf_counter()
+        arrival_mono, arrival_time = time.perf_counter(), time.time()
+        objective = objective_for(self._config.objectives, len(prompt), req.slo_class, arrival_time)
         sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
                                 self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size, fmt.top_logprobs,
                                 self._codec.sampling_defaults)
@@ -268,7 +270,7 @@ class Router:
         inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
                               stop_strings=req.stop_strings, include_stop_str=req.include_stop_str_in_output,
                               skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
-                              arrival_mono=arrival_mono, n=req.n)
+                              arrival_time=arrival_time, arrival_mono=arrival_mono, n=req.n, objective=objective)
         deltas = self._generation.stream(inp)
         try:
             first = await deltas.__anext__()

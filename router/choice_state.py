@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from engine.sampling.prompt_logprobs import PromptLogprobs
 from engine.sampling.sampler import SamplingParams, TopLogprobs
 from router.codec import Detokenizer
+from router.request_objective import RequestObjective
 from router.stops import StopMatcher
 
 
@@ -38,6 +39,7 @@ class GenerationInput:
     arrival_time: float = field(default_factory=time.time)  # wall clock, for worker queue metrics
     arrival_mono: float = field(default_factory=time.perf_counter)  # for our latency metrics
     n: int = 1  # choices (`engine.sampling.choices.MAX_CHOICES` at most, bounded by the request model)
+    objective: RequestObjective | None = None  # class and TTFT deadline (`router.request_objective`); None: none
 
 
 @dataclass(frozen=True)

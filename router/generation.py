@@ -59,6 +59,8 @@ from router.codec import TextCodec
 from router.lanes import Lane, Lanes
 from router.metrics import RouterMetrics
 from router.migration import DecodeLost, continuation, continuation_id, continuation_prefill
+from router.path_policy import Path
+from router.request_objective import record_attainment
 from router.stops import StopMatcher
 
 __all__ = ["Delta", "Generation", "GenerationInput", "StreamError"]
@@ -191,7 +193,8 @@ class Generation:
         """The prefill call (``scored``: with the prompt's log-probs, when the request asks)."""
         return PrefillRequest(request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
                               sampling=inp.sampling, arrival_time=inp.arrival_time, n=inp.n,
-                              prompt_logprobs=inp.prompt_logprobs if scored else None)
+                              prompt_logprobs=inp.prompt_logprobs if scored else None,
+                              ttft_deadline=inp.objective.ttft_deadline if inp.objective is not None else None)
 
     @staticmethod
     def _decode_request(inp: GenerationInput, st: RequestState, firsts: dict[int, int | None],
@@ -251,6 +254,8 @@ class Generation:
         longest = max(c.num_tokens for c in st.choices)
         if longest > 1:
             m.tpot.observe((end - st.first_sent) / (longest - 1))
+        record_attainment(m, inp.objective, Path.REMOTE if self._backends.disaggregated else Path.LOCAL,
+                          inp.arrival_mono, st.first_sent, end, longest)
         for c in st.choices:
             if c.finish_reason is not None:
                 m.success.labels(finish_reason=c.finish_reason).inc()

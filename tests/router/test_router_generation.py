@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ from router.backends import Backends
 from router.errors import APIError
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import RouterMetrics
+from router.objectives import Objectives, SLOClass
+from router.request_objective import objective_for
 from tests.support.fake_handles import FakeHandle
 from tests.support.pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_choice_text, expected_text
 
@@ -192,3 +195,31 @@ async def test_choices_ended_by_token_zero_are_not_decoded() -> None:
     deltas = await collect(gen, inp("abc", 1, n=2))
     assert [(d.index, d.text, d.finish_reason) for d in deltas] == [(0, "d", "length"), (1, "e", "length")]
     assert dh.calls == []
+
+
+class DeadlineSpy(FakePrefill):
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.deadlines: list[float | None] = []
+
+    async def prefill(self, req: Any) -> Any:
+        self.deadlines.append(req.ttft_deadline)
+        return await super().prefill(req)
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+async def test_a_request_objective_travels_to_the_prefill_and_is_judged_at_the_end(colocated: bool) -> None:
+    """The class's TTFT deadline rides on the prefill call; the finished request is counted once
+    under its class and its path (remote when disaggregated, local when colocated)."""
+    spy = DeadlineSpy()
+    gen, _, _dh, metrics = setup(None if colocated else spy)
+    chat = SLOClass("chat", ttft_s=30.0, tpot_s=30.0)
+    request = dataclasses.replace(inp("abc", 6), arrival_time=1000.0,
+                                  objective=objective_for(Objectives((chat,)), 3, None, 1000.0))
+    assert "".join(d.text for d in await collect(gen, request)) == expected_text("abc", 6)
+    assert spy.deadlines == ([] if colocated else [1030.0])
+    labels = {"slo_class": "chat", "path": "local" if colocated else "remote"}
+    assert metrics.registry.get_sample_value("pdserve:slo_requests_total", labels | {"attained": "true"}) == 1.0
+    plain = await collect(gen, inp("abc", 6, rid="r2"))  # no objective: nothing travels, nothing judged
+    assert plain and spy.deadlines[1:] == ([] if colocated else [None])
+    assert metrics.registry.get_sample_value("pdserve:slo_requests_total", labels | {"attained": "true"}) == 1.0
