@@ -2,22 +2,14 @@
 
 Life cycle of a request (each name is a queue or a state in this file):
 
-1. ``prefill(req)`` checks the length and the queue bound, then appends a `_Job` to ``waiting``.
-2. The step loop admits jobs from ``waiting`` in order — FIFO, or, when any job carries a TTFT
-   deadline (``PrefillRequest.ttft_deadline``), earliest deadline first
-   (`engine.prefill_planner.grant_order`; a job without one after every job with one) — while the
-   admitted ones cannot fill the step's budget. On admission a job matches its prompt against the
-   prefix cache (``pool.match_prefix``, salted by the prompt's RoPE table: `Engine.prefix_salt`; not
-   a job that asks for prompt log-probs, which needs every position's logits) and reserves blocks
-   for the rest of the prompt; the first job in the order that does not fit waits (blocks come back
-   as the outbox drains) and no later job is newly admitted past it, so a long prompt is never
-   overtaken forever; jobs admitted before, which already hold their blocks, still advance.
+1. ``prefill(req)`` checks the length and the queue bound, then appends a `PrefillJob` to ``waiting``.
+2. The step loop admits jobs from ``waiting`` (FIFO, or earliest TTFT deadline first when any job
+   carries one), each reserving blocks for its prompt less a prefix-cache hit, and splits the step's
+   token budget among them (`prefill_worker.step_plan`, which states the rules and invariants).
 3. Each step packs chunks of the admitted jobs into one forward under ``max_batch_tokens``
-   (`engine.prefill_planner`): the oldest job (with deadlines: the earliest due) first, then
-   shortest-remaining first (earliest due), no job more than ``max_chunk_tokens`` per step — a long
-   prompt is prefilled over several steps (chunked prefill) and short prompts pass it between its
-   chunks; several short prompts share one forward. A job
-   that asks for prompt log-probs has each chunk's scored in the same forward (`engine.sampling.prompt_logprobs`).
+   (`engine.prefill_planner`): a long prompt is prefilled over several steps (chunked prefill) and
+   short prompts pass it between its chunks; several short prompts share one forward. A job that asks
+   for prompt log-probs has each chunk's scored in the same forward (`engine.sampling.prompt_logprobs`).
 4. After its last chunk a job samples token 0 (``n`` choices: one token 0 per choice, each from
    the same logits with its choice's seed, `engine.sampling.choices`), registers its full blocks in the
    prefix cache, and its blocks move to the **outbox** under a lease; the caller gets a
@@ -42,22 +34,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.load_report import LoadReport
-from engine.prefill_planner import grant_order, grant_tokens, wants_more
 from engine.runner import PrefillChunk
 from engine.sampling.choices import choice_params
-from engine.sampling.grammar import GrammarError, GrammarVocab, load_grammar
+from engine.sampling.grammar import GrammarError, load_grammar
 from engine.sampling.prompt_logprobs import PromptLogprobs, ScoreAsk, check_prompt_logprobs, chunk_ask
 from engine.sampling.sampler import Sampled, SamplerState, sample
 from engine.step_loop import StepLoop
@@ -65,32 +54,10 @@ from kv_transfer.handle import KVHandle
 from kv_transfer.layout import KVLayout
 from kv_transfer.outbox import Outbox
 from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.step_plan import PrefillJob, plan_step
 from prefill_worker.types import FirstToken, PrefillRequest, PrefillResult, PrefillTimings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Job:
-    req: PrefillRequest
-    future: asyncio.Future[PrefillResult]
-    enqueued: float
-    sampler: SamplerState  # choice 0's (the others' are built for token 0 from the same vocabulary)
-    vocab: GrammarVocab | None = None  # the grammar's, when the request has one
-    blocks: list[int] = field(default_factory=list)
-    num_cached: int = 0
-    computed: int = 0  # prompt tokens whose KV is written (cached prefix included)
-    started: float | None = None
-    num_chunks: int = 0
-    scores: PromptLogprobs | None = None  # the prompt's log-probs so far, when the request asks
-
-    @property
-    def prompt(self) -> tuple[int, ...]:
-        return self.req.prompt_token_ids
-
-    @property
-    def remaining(self) -> int:
-        return len(self.prompt) - self.computed
 
 
 class PrefillWorker:
@@ -114,7 +81,7 @@ class PrefillWorker:
         self.layout = KVLayout.from_model(engine.model_config, engine.config.dtype, engine.block_size)
         self.prefill_tokens = 0  # cumulative, for the load report's measured rate (written on the model thread)
         self.prefill_seconds = 0.0
-        self.waiting: deque[_Job] = deque()
+        self.waiting: deque[PrefillJob] = deque()
         self._loop = StepLoop(f"{replica_id}-step-loop", self._step, self._fail_waiting)
         self.num_prefilled = 0
 
@@ -140,7 +107,7 @@ class PrefillWorker:
             raise QueueFullError(f"prefill queue is full ({self.config.max_queue} waiting)", 1.0)
         vocab = await load_grammar(req.sampling.grammar, self.engine.model_dir, self.eos_ids)
         sampler = SamplerState.new(req.sampling, req.prompt_token_ids, eos_ids=self.eos_ids, vocab=vocab)
-        job = _Job(req=req, future=asyncio.get_running_loop().create_future(), enqueued=time.monotonic(),
+        job = PrefillJob(req=req, future=asyncio.get_running_loop().create_future(), enqueued=time.monotonic(),
                    sampler=sampler, vocab=vocab)
         self.waiting.append(job)
         self._loop.wake()
@@ -198,7 +165,7 @@ class PrefillWorker:
                 self._remove(job)
                 self._finish(job, next(ends))
 
-    def _forward(self, chunks: list[PrefillChunk], asks: list[ScoreAsk | None], ending: list[tuple[int, _Job]],
+    def _forward(self, chunks: list[PrefillChunk], asks: list[ScoreAsk | None], ending: list[tuple[int, PrefillJob]],
                  ) -> tuple[list[PromptLogprobs | None], list[list[FirstToken] | GrammarError]]:
         """On the model thread: the step's forward, then token 0 of every choice of the jobs whose
         last chunk it ran (``ending``: (row, job), in row order) in one `sample` call, the step's one
@@ -206,7 +173,7 @@ class PrefillWorker:
         start = time.perf_counter()
         logits, scored = self.engine.runner.prefill_scored(chunks, asks)  # [len(chunks), V]
         firsts: list[list[FirstToken] | GrammarError] = []
-        sampled: list[tuple[int, _Job, list[SamplerState]]] = []  # (its place in firsts, job, choices' states)
+        sampled: list[tuple[int, PrefillJob, list[SamplerState]]] = []  # (its place in firsts, job, choices' states)
         rows: list[torch.Tensor] = []
         for row, job in ending:
             try:
@@ -227,53 +194,18 @@ class PrefillWorker:
         self.prefill_tokens += sum(len(c.token_ids) for c in chunks)
         return scored, firsts
 
-    def _plan(self) -> tuple[list[PrefillChunk], list[_Job]]:
-        """Pick this step's chunks: admit in order as blocks allow, split the budget (`engine.prefill_planner`)."""
-        budget = self.config.max_batch_tokens
-        cap = min(self.config.max_chunk_tokens or budget, budget)
-        pool = self.engine.pool
-        order = list(self.waiting)
-        deadlines = _deadlines(order)
-        if deadlines is not None:  # earliest deadline first; FIFO otherwise
-            order = [order[i] for i in grant_order([j.remaining for j in order], deadlines)]
-        admitted: list[_Job] = []
-        blocked = False  # a job found no blocks: nobody after it is newly admitted (it is never overtaken)
-        for job in order:
-            if not wants_more([j.remaining for j in admitted], budget, cap):
-                break
-            if not job.blocks:
-                if blocked:
-                    continue
-                reuse = self.engine.config.enable_prefix_cache and job.req.prompt_logprobs is None
-                hit = pool.match_prefix(job.prompt[:-1], self.engine.prefix_salt(len(job.prompt))) if reuse else []
-                need = self.engine.blocks_for(len(job.prompt)) - len(hit)
-                if not pool.can_allocate(need):
-                    pool.free(hit)
-                    blocked = True  # jobs holding blocks still advance (and free theirs)
-                    continue
-                job.blocks = hit + pool.allocate(need)
-                job.num_cached = job.computed = len(hit) * self.engine.block_size
-                job.started = time.monotonic()
-            admitted.append(job)
-        chunks: list[PrefillChunk] = []
-        jobs: list[_Job] = []
-        grants = grant_tokens([j.remaining for j in admitted], budget, cap, _deadlines(admitted))
-        for job, n in zip(admitted, grants, strict=True):
-            if n == 0:
-                continue
-            chunks.append(PrefillChunk(job.prompt[job.computed : job.computed + n], job.computed, job.blocks,
-                                       prompt_len=len(job.prompt)))
-            jobs.append(job)
-            job.num_chunks += 1
-        return chunks, jobs
+    def _plan(self) -> tuple[list[PrefillChunk], list[PrefillJob]]:
+        """This step's chunks and their jobs (`prefill_worker.step_plan`)."""
+        return plan_step(list(self.waiting), self.engine, self.config.max_batch_tokens, self.config.max_chunk_tokens)
 
-    def _choice_states(self, job: _Job) -> list[SamplerState]:
+    def _choice_states(self, job: PrefillJob) -> list[SamplerState]:
         """Each choice's sampler state for token 0 (its seed, its grammar matcher), choice 0's first."""
         req = job.req
         return [job.sampler, *(SamplerState.new(choice_params(req.sampling, i), req.prompt_token_ids,
                                                 eos_ids=self.eos_ids, vocab=job.vocab) for i in range(1, req.n))]
 
-    def _first_tokens(self, job: _Job, states: list[SamplerState], out: Sampled) -> list[FirstToken] | GrammarError:
+    def _first_tokens(self, job: PrefillJob, states: list[SamplerState],
+                      out: Sampled) -> list[FirstToken] | GrammarError:
         """Token 0 of each choice as ``out`` sampled it with the choice's state, or the error of a
         grammar that rejected one."""
         req = job.req
@@ -287,7 +219,7 @@ class PrefillWorker:
             firsts.append(FirstToken(token, logprob, top, reason))
         return firsts
 
-    def _finish(self, job: _Job, firsts: list[FirstToken] | GrammarError) -> None:
+    def _finish(self, job: PrefillJob, firsts: list[FirstToken] | GrammarError) -> None:
         req = job.req
         if isinstance(firsts, GrammarError):  # never hand on a token the grammar rejected
             self._fail(job, firsts)
@@ -328,7 +260,7 @@ class PrefillWorker:
             if job.blocks:
                 self.engine.pool.free(job.blocks)
 
-    def _remove(self, job: _Job) -> None:
+    def _remove(self, job: PrefillJob) -> None:
         with contextlib.suppress(ValueError):
             self.waiting.remove(job)
 
@@ -336,17 +268,10 @@ class PrefillWorker:
         while self.waiting:
             self._fail(self.waiting.popleft(), exc)
 
-    def _fail(self, job: _Job, exc: BaseException) -> None:
+    def _fail(self, job: PrefillJob, exc: BaseException) -> None:
         if job.blocks:
             self.engine.pool.free(job.blocks)
             job.blocks = []
         if not job.future.done():
             job.future.set_exception(exc)
 
-
-def _deadlines(jobs: Sequence[_Job]) -> list[float] | None:
-    """Each job's TTFT deadline, or None when no job has one (then the order is FIFO); a job without
-    one (a router without objectives) counts as due after every job that has one."""
-    if all(j.req.ttft_deadline is None for j in jobs):
-        return None
-    return [math.inf if j.req.ttft_deadline is None else j.req.ttft_deadline for j in jobs]
