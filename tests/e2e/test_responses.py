@@ -1,7 +1,7 @@
 """The Responses API (``POST /v1/responses``) through a real local Ray Serve, with the official
 ``openai`` client, on the same generation path as chat completions.
 
-One Ray cluster for the module, three apps (as tests/e2e/test_tool_calls.py builds them):
+Three apps on the package's Ray cluster (tests/e2e/conftest.py), as tests/e2e/test_tool_calls.py builds them:
 
 - ``/tiny-pd`` and ``/tiny-colo``: a tiny random Llama with SmolLM2's tokenizer under Qwen2.5's chat
   template (which renders tools and tool messages), real prefill / decode replicas. Oracle: the
@@ -18,7 +18,6 @@ which must equal the non-streamed response but for the ids and the creation time
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,16 +26,13 @@ from typing import Any, Literal
 import httpx
 import openai
 import pytest
-import ray
 from pydantic import BaseModel, Field
-from ray import cloudpickle, serve
+from ray import serve
 
 from cluster.app import compose_app
 from cluster.config import ClusterConfig
-from loadtests.bench_common import free_port
 from router.app import Router
 from router.config import RouterConfig
-from tests.support import pd_fakes
 from tests.support.models import make_tiny_chat_model
 from tests.support.pd_fakes import FakeConfig, FakeDecode, FakePrefill, fake_tool_codec
 from tests.support.serve_harness import cluster_args, deploy
@@ -67,27 +63,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def apps(tiny: Path) -> Iterator[dict[str, str]]:
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    cloudpickle.register_pickle_by_value(pd_fakes)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        fake_cfg = FakeConfig()
-        fake = Router.options(name="router").bind(
-            serve.deployment(FakePrefill).options(name="prefill", ray_actor_options={"num_cpus": 0.05}).bind(fake_cfg),
-            serve.deployment(FakeDecode).options(name="decode", ray_actor_options={"num_cpus": 0.05}).bind(fake_cfg),
-            RouterConfig(served_model_name="tiny", model="unused", max_model_len=4096), fake_tool_codec)
-        with deploy(fake, "fake", base) as fake_url, \
-                deploy(compose_app(ClusterConfig.from_args(cluster_args(str(tiny)))), "tiny-pd", base) as pd_url, \
-                deploy(compose_app(ClusterConfig.from_args(cluster_args(str(tiny), mode="colocated"))),
-                       "tiny-colo", base) as colo_url:
-            yield {"fake": fake_url, "tiny-pd": pd_url, "tiny-colo": colo_url}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def apps(serve_base: str, tiny: Path) -> Iterator[dict[str, str]]:
+    fake_cfg = FakeConfig()
+    fake = Router.options(name="router").bind(
+        serve.deployment(FakePrefill).options(name="prefill", ray_actor_options={"num_cpus": 0.05}).bind(fake_cfg),
+        serve.deployment(FakeDecode).options(name="decode", ray_actor_options={"num_cpus": 0.05}).bind(fake_cfg),
+        RouterConfig(served_model_name="tiny", model="unused", max_model_len=4096), fake_tool_codec)
+    with deploy(fake, "fake", serve_base) as fake_url, \
+            deploy(compose_app(ClusterConfig.from_args(cluster_args(str(tiny)))), "tiny-pd", serve_base) as pd_url, \
+            deploy(compose_app(ClusterConfig.from_args(cluster_args(str(tiny), mode="colocated"))),
+                   "tiny-colo", serve_base) as colo_url:
+        yield {"fake": fake_url, "tiny-pd": pd_url, "tiny-colo": colo_url}
 
 
 def client(apps: dict[str, str], name: str) -> openai.OpenAI:

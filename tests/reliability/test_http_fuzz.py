@@ -9,7 +9,8 @@ The app under test: the package's ``fakes`` app (see ``conftest.py``): the real 
 tiny model's real tokenizer and chat template, fake pools (1 ms per token), a 256-token context.
 Each operation gets schema-valid cases (``POSITIVE``) and schema-violating ones (``NEGATIVE``);
 every response must be < 500, errors must carry ``{"error": {"message", "type", "param", "code"}}``
-(429 with ``Retry-After``), and streams must end in ``data: [DONE]``.
+(429 with ``Retry-After``), and streams must end in ``data: [DONE]`` (the Responses API's: in
+``response.completed`` / ``response.incomplete`` / ``error``, numbered from 0 without a gap).
 """
 
 from __future__ import annotations
@@ -28,15 +29,19 @@ from schemathesis.config import SchemathesisConfig
 
 from router.app import app as router_app
 from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.responses.request import ResponsesRequest
 from router.tokenize import DetokenizeRequest, TokenizeCompletionRequest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
 
 BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
                                       "/v1/chat/completions": ChatCompletionRequest,
+                                      "/v1/responses": ResponsesRequest,
                                       "/tokenize": TokenizeCompletionRequest, "/detokenize": DetokenizeRequest}
 EXAMPLES = {"POST": 40, "GET": 8}
 ERROR_KEYS = {"message", "type", "param", "code"}
+#: the last event of a streamed Response (OpenAI's: done, cut by max_output_tokens, or failed after token 0)
+RESPONSE_ENDS = {"response.completed", "response.incomplete", "error"}
 counts: dict[str, int] = {}
 
 
@@ -64,7 +69,7 @@ def _deployment_facts(body: dict[str, Any]) -> dict[str, Any]:
     """
     props = body["properties"]
     props["model"] = {"type": "string", "const": "tiny"}
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if name in props:
             props[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 64}, {"type": "null"}]}
     return body
@@ -82,6 +87,12 @@ def check_response(status: int, headers: dict[str, str], text: str, streamed: bo
         assert set(err) == ERROR_KEYS and isinstance(err["message"], str) and err["message"], text[:500]
         if status == 429:
             assert int(headers["retry-after"]) >= 1
+    elif streamed and text.startswith("event: "):  # the Responses API: typed events, no [DONE]
+        events = [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: ")]
+        assert events and events[-1]["type"] in RESPONSE_ENDS, text[-300:]
+        assert [e["sequence_number"] for e in events] == list(range(len(events))), text[:300]
+        if events[-1]["type"] == "error":
+            assert events[-1]["message"], text[-300:]
     elif streamed:
         events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
         assert events and events[-1] == "[DONE]", text[-300:]
@@ -105,8 +116,8 @@ OPERATIONS = [(op.method.upper(), op.path, mode) for op in (r.ok() for r in SCHE
 
 def test_schema_covers_every_route() -> None:
     paths = {p for _, p, _ in OPERATIONS}
-    assert paths == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics",
-                     "/tokenize", "/detokenize"}
+    assert paths == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/{response_id}",
+                     "/v1/models", "/health", "/ready", "/metrics", "/tokenize", "/detokenize"}
 
 
 @pytest.mark.parametrize(("method", "path", "mode"), OPERATIONS, ids=[f"{m} {p} {g.value}" for m, p, g in OPERATIONS])

@@ -2,8 +2,9 @@
 
 - the prefill call (``limits.prefill_timeout_s``): a replica that never answers → 503
   ``service_unavailable`` before any token, and the replica's call is cancelled;
-- each decode token (``limits.token_timeout_s``): a stream that goes silent → an SSE error event,
-  then ``data: [DONE]``, and the decode stream is cancelled;
+- each decode token (``limits.token_timeout_s``): a stream that goes silent is cancelled and moves to
+  a live replica (``limits.migration_limit`` times at most), then → an SSE error event naming the
+  limit, then ``data: [DONE]``;
 - the KV pull (``kv.timeout_s``): a prefill replica whose KV source accepts the connection and
   never speaks → the real decode replica fails the pull at the timeout and frees the blocks it
   reserved; the router prefills once more (a lost KV is rebuilt once) and, the second pull
@@ -28,6 +29,7 @@ from cluster.app import compose_app
 from cluster.config import ClusterConfig
 from kv_transfer.client import PullerConfig
 from kv_transfer.server import SourceConfig
+from router.config import RouterConfig
 from tests.support.serve_harness import FAKES_PREFILL_TIMEOUT_S as PREFILL_TIMEOUT_S
 from tests.support.serve_harness import FAKES_TOKEN_TIMEOUT_S as TOKEN_TIMEOUT_S
 from tests.support.serve_harness import StreamResult, cluster_args, completion_body, deploy, stream_request
@@ -78,7 +80,12 @@ def test_prefill_timeout_is_a_503_and_cancels_the_call(fakes_url: str) -> None:
         time.sleep(0.2)
 
 
-def test_token_timeout_is_an_error_event_and_cancels_the_stream(fakes_url: str) -> None:
+def test_token_timeout_moves_the_stream_then_is_an_error_event_naming_the_limit(fakes_url: str) -> None:
+    """A decode stream silent for the token timeout moves to a live replica (`router.migration`); the
+    fakes stall every attempt after two tokens, so the stream moves ``migration_limit`` times, each
+    move keeping every token sent, and then ends with an error event naming the timeout and the limit."""
+    limit = RouterConfig.migration_limit
+
     async def one() -> StreamResult:
         async with httpx.AsyncClient(timeout=30) as client:
             return await stream_request(client, f"{fakes_url}/v1/completions",
@@ -89,10 +96,13 @@ def test_token_timeout_is_an_error_event_and_cancels_the_stream(fakes_url: str) 
     err = res.error
     silent_s = res.t_end - res.t_start
     print(f"token timeout: {len(res.texts)} tokens, then after {silent_s:.2f} s: {err}")
-    assert len(res.texts) == 3  # token 0 from the prefill + two decode tokens, then silence
+    # token 0 from the prefill + two decode tokens, then two more on each of the `limit` continuations
+    assert len(res.texts) == 3 + 2 * limit
     assert err["code"] == "stream_error" and f"within {TOKEN_TIMEOUT_S:g} s" in err["message"]
+    assert f"migration_limit is {limit}" in err["message"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert TOKEN_TIMEOUT_S <= silent_s < TOKEN_TIMEOUT_S + 5
+    attempts = limit + 1  # each one silent for the token timeout before it is left
+    assert attempts * TOKEN_TIMEOUT_S <= silent_s < attempts * TOKEN_TIMEOUT_S + 10
     decode = serve.get_deployment_handle("decode", app_name="fakes")
     deadline = time.monotonic() + 15
     while res.request_id not in decode.cancelled.remote().result(timeout_s=10):
