@@ -182,11 +182,24 @@ def check_exact(want: list[StreamResult], got: list[StreamResult], held: set[str
     assert not bad, bad[:5]
     moved = [r for r in got if r.request_id in held]
     assert moved, "the victim held no stream"
-    assert [outcome(r) for r in got] == [outcome(r) for r in want]
+    differ = [(i, r.request_id in held, _first_difference(outcome(w), outcome(r)))
+              for i, (w, r) in enumerate(zip(want, got, strict=True)) if outcome(r) != outcome(w)]
+    assert not differ, f"(request, moved, (choice, first differing character, tokens wanted, got)): {differ}"
     gaps = sorted(max((b - a for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)
                        if b >= t_sig), default=0.0) for r in moved)
     print(f"{what}: {len(got)} streams whole, {len(moved)} moved off the victim; client-side gap at the "
           f"signal p50 {statistics.median(gaps) * 1000:.0f} ms, max {gaps[-1] * 1000:.0f} ms")
+
+
+def _first_difference(want: tuple[dict[int, str], int | None], got: tuple[dict[int, str], int | None]
+                      ) -> tuple[int, int, int | None, int | None]:
+    texts_w, texts_g = want[0], got[0]
+    for c in sorted(set(texts_w) | set(texts_g)):
+        a, b = texts_w.get(c, ""), texts_g.get(c, "")
+        if a != b:
+            at = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            return c, at, want[1], got[1]
+    return -1, -1, want[1], got[1]
 
 
 def metrics(app: App) -> dict[str, float]:
