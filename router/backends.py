@@ -17,19 +17,28 @@ Invariants:
 - a handle no decode replica took (the request ended between token 0 and the decode call) is
   released through any decode replica (`release`, in the background), not left to its lease.
   Not covered: a prefill that finished just as its caller was cancelled (Serve drops the
-  answer); its lease frees it.
+  answer); its lease frees it;
+- each prefill and decode call is a Serve request of its own (`own_call`): the same request id, so
+  logs follow the request, and a fresh internal id. Serve gives a call the internal id of the request
+  it is made in, and both Serve's request router (the calls it is routing) and ours
+  (`router.replica_router`'s token book) key calls by it: two calls of one request at once (the
+  continuations of a request's choices, `router.migration`, routed together) would collide, and
+  Serve never assigns the second (its routing task retries for ever, starving the other calls).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
-from collections.abc import AsyncIterator, Coroutine
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from ray.exceptions import RayActorError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import DeploymentUnavailableError
 
 from decode_worker.types import DecodeRequest, TokenEvent
@@ -46,6 +55,23 @@ REPLICA_GONE: tuple[type[BaseException], ...] = (RayActorError, DeploymentUnavai
 
 #: a background release of an unpulled handle gives up after this (the lease frees it anyway)
 RELEASE_TIMEOUT_S = 10.0
+
+T = TypeVar("T")
+
+
+def own_call(call: Callable[[], T]) -> T:
+    """``call()`` (a handle's ``.remote``, which reads Serve's request context when it is made) as a
+    Serve request of its own: the current request id, a fresh internal id (see the module docstring).
+    The caller's context is left as it was; outside a Serve request Serve makes fresh ids anyway."""
+    return contextvars.copy_context().run(_with_fresh_internal_id, call)
+
+
+def _with_fresh_internal_id(call: Callable[[], T]) -> T:
+    current = serve_context._serve_request_context.get()
+    if current is not None:
+        serve_context._serve_request_context.set(
+            dataclasses.replace(current, _internal_request_id=str(uuid.uuid4())))
+    return call()
 
 
 class Backends:
@@ -71,9 +97,10 @@ class Backends:
         return self._prefill is not None
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
-        assert self._prefill is not None, "prefill() in colocated mode"
+        pool = self._prefill
+        assert pool is not None, "prefill() in colocated mode"
         for attempt in (1, 2):
-            response = self._prefill.prefill.remote(req)
+            response = own_call(lambda: pool.prefill.remote(req))
             try:
                 result: PrefillResult = await asyncio.wait_for(response, self._prefill_timeout_s)
                 return result
@@ -93,7 +120,7 @@ class Backends:
     async def generate(self, req: DecodeRequest) -> AsyncIterator[AsyncIterator[TokenEvent]]:
         """A decode stream, which ends after every choice's final event; exiting the ``async with``
         before its end cancels it."""
-        stream = self._decode.options(stream=True).generate.remote(req)
+        stream = own_call(lambda: self._decode.options(stream=True).generate.remote(req))
         finished = False
         going = {c.index for c in req.choices}
 

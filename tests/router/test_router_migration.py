@@ -3,15 +3,22 @@ Serve handles (no Ray). The oracle is the fakes' known completion (`tests.suppor
 replica that dies (ActorDiedError) or hangs past the token timeout mid-stream costs the client
 nothing: the same text, every token once, no error, in both modes and per choice of ``n = 2``; each
 choice continues as its own decode request carrying the tokens sent; past ``migration_limit`` the
-stream fails saying so; a hung stream is cancelled and nothing it holds reaches the client."""
+stream fails saying so; a hung stream is cancelled and nothing it holds reaches the client. Inside a
+Serve request, each call the router makes is a Serve request of its own: the metadata Serve's own
+builder derives for each (`ray.serve._private.default_impl.get_request_metadata`) carries the
+request's id and an internal id no other call of it shares, so that the continuations of a
+request's choices, routed at once, never collide in Serve's router."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from ray.exceptions import ActorDiedError
+from ray.serve import context as serve_context
+from ray.serve._private import default_impl
 
 from decode_worker.types import DecodeRequest, TokenEvent
 from engine.sampling.sampler import SamplingParams
@@ -140,3 +147,54 @@ async def test_no_migration_with_a_limit_of_zero() -> None:
         await collect(gen, inp("abc", 8))
     assert migrations(metrics, "replica_died") == 0
 
+
+
+class MetadataHandle:
+    """A handle that records, for each call, the request metadata Serve's own handle would build for
+    it at ``.remote`` (`default_impl.get_request_metadata`, which reads Serve's request context), then
+    makes the call on ``inner``."""
+
+    def __init__(self, inner: Any, seen: list[tuple[str, str, str]], stream: bool = False) -> None:
+        self._inner, self._seen, self._stream = inner, seen, stream
+
+    def options(self, stream: bool = False) -> MetadataHandle:
+        return MetadataHandle(self._inner.options(stream=stream), self._seen, stream)
+
+    def __getattr__(self, name: str) -> Any:
+        method, seen, stream = getattr(self._inner, name), self._seen, self._stream
+
+        class Remote:
+            def remote(self, req: Any) -> Any:
+                meta = default_impl.get_request_metadata(
+                    default_impl.create_init_handle_options(),
+                    default_impl.create_dynamic_handle_options(method_name=name, stream=stream))
+                seen.append((req.request_id, meta.request_id, meta.internal_request_id))
+                return method.remote(req)
+
+        return Remote()
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+async def test_each_call_of_a_request_is_a_serve_request_of_its_own(colocated: bool) -> None:
+    decode = FailingDecode(failures=1, after=5)  # lost mid-stream: both choices continue at once
+    seen: list[tuple[str, str, str]] = []
+    dh = MetadataHandle(FakeHandle(decode), seen)
+    prefill = None if colocated else MetadataHandle(FakeHandle(FakePrefill(None)), seen)
+    gen = Generation(Backends(prefill, dh, 5.0, 5.0, 1.0), FakeCodec(), RouterMetrics())
+
+    async def in_request() -> list[Delta]:  # a task of its own: the Serve request context set here stays here
+        serve_context._set_request_context(request_id="http-1", _internal_request_id="http-1-internal")
+        outer = serve_context._get_serve_request_context()
+        deltas = await collect(gen, inp("abc", 10, n=2))
+        assert serve_context._get_serve_request_context() is outer  # the request's own context is untouched
+        return deltas
+
+    deltas = await asyncio.create_task(in_request())
+    for i in range(2):
+        assert "".join(d.text for d in deltas if d.index == i) == expected_choice_text("abc", 10, i)
+    calls = [rid for rid, _, _ in seen]
+    per_call = 1 if colocated else 2  # the request, then each choice moved: (a prefill and) a decode call
+    assert sorted(calls) == sorted(["r1", "r1:m1.0", "r1:m1.1"] * per_call)
+    assert {serve_rid for _, serve_rid, _ in seen} == {"http-1"}  # logs still follow the request
+    internal = [iid for _, _, iid in seen]
+    assert len(set(internal)) == len(internal) and "http-1-internal" not in internal
