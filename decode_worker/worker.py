@@ -8,8 +8,9 @@ Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler
 2. The step loop calls ``schedule()``. An admitted sequence has blocks reserved for its prompt KV
    plus the next token and moves to **transferring**: disaggregated, a pull task imports the KV
    from the prefill replica's outbox (`KVImporter`); colocated, the worker prefills the prompt
-   itself, whole or ``prefill_chunk_size`` tokens per step, between decode steps (scoring the
-   prompt's log-probs chunk by chunk when the request asks; token 0's event carries them).
+   itself, whole or ``prefill_chunk_size`` tokens per step, between decode steps
+   (`decode_worker.local_prefill`; scoring the prompt's log-probs chunk by chunk when the request
+   asks; token 0's event carries them).
 3. When the KV is in, the sequence is **running**: every step runs one batched decode over all
    running sequences (the first step feeds token 0), samples, and pushes each new token to its
    stream. Blocks are appended at block boundaries; when they run out the scheduler swaps the
@@ -40,7 +41,6 @@ head of a group before its KV is in ends every stream of the group.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -50,6 +50,7 @@ import torch
 from decode_worker.choices import ChoiceGroup
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import KVImporter
+from decode_worker.local_prefill import LocalPrefill
 from decode_worker.scheduler import DecodeScheduler, SchedulerConfig, SchedulerOutput, SeqStatus
 from decode_worker.stream import Stream
 from decode_worker.swap_space import HostSwapSpace
@@ -57,7 +58,6 @@ from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent
 from engine.engine import Engine
 from engine.errors import QueueFullError
 from engine.load_report import LoadReport
-from engine.prefill_planner import grant_tokens
 from engine.runner import DecodeSeq, PrefillChunk
 from engine.sampling.grammar import GrammarVocab, load_grammar
 from engine.sampling.prompt_logprobs import PromptLogprobs, ScoreAsk, check_prompt_logprobs, chunk_ask
@@ -95,7 +95,7 @@ class DecodeWorker:
         )
         self.streams: dict[str, Stream] = {}  # by sequence id
         self.groups: dict[str, ChoiceGroup] = {}  # by request id, while any of its streams is live
-        self.prefilling: list[ChoiceGroup] = []  # colocated: admitted, prompt KV still being computed
+        self.prefilling = LocalPrefill(config.prefill_chunk_size)  # admitted, KV still computed here
         # swapped-out KV waits in host memory allocated here, once (pinned on CUDA): `HostSwapSpace`
         self.swap_space = HostSwapSpace(engine.cache, config.max_swap_blocks)
         log.info("swap space: %d blocks, %.1f GiB of %s host memory", config.max_swap_blocks,
@@ -240,8 +240,7 @@ class DecodeWorker:
         self.swap_space.release(stream.seq_id)
         group = self.groups.get(stream.request_id)
         if group is not None and group.head is stream:
-            with contextlib.suppress(ValueError):
-                self.prefilling.remove(group)
+            self.prefilling.discard(group)
         if self.streams.pop(stream.seq_id, None) is not None:
             self.num_finished += 1
         if group is not None and not any(st.seq_id in self.streams for st in group.streams):
@@ -258,7 +257,7 @@ class DecodeWorker:
         out = self.scheduler.schedule()
         self._execute_swaps_and_admissions(out)
         decode = [self.streams[s.seq_id] for s in out.decode if s.seq_id in self.streams]
-        chunks, prefill_groups = self._plan_prefill()
+        chunks, prefill_groups = self.prefilling.plan(self.scheduler)
         prefill_streams = [g.head for g in prefill_groups]
         if not decode and not chunks:
             await self._loop.idle(1.0)
@@ -266,11 +265,7 @@ class DecodeWorker:
         seqs = [self._decode_seq(st) for st in decode]
         asks = [chunk_ask(st.req.prompt_token_ids, c.start_pos, len(c.token_ids), st.req.prompt_logprobs)
                 for st, c in zip(prefill_streams, chunks, strict=True)]
-        # the prefill groups whose prompt this step completes: token 0 of each of their choices (a
-        # continuation's next token was sent already: it samples nothing here)
-        ending = [(row, [m.sampler for m in g.streams]) for row, (g, c) in enumerate(zip(prefill_groups, chunks,
-                  strict=True)) if g.head.prefilled + len(c.token_ids) == len(g.head.req.kv_token_ids)
-                  and g.head.next_token is None]
+        ending = self.prefilling.ending(prefill_groups, chunks)  # token 0 of each of their choices
         try:  # the forward and the sampling, off the event loop: the loop never waits on the device
             t0 = time.monotonic()
             sampled, scored = await self.engine.model_thread.run(self._forward, seqs, chunks, asks,
@@ -339,7 +334,7 @@ class DecodeWorker:
             for st in group.streams:
                 st.admitted_at = time.monotonic()
             if self.colocated:
-                self.prefilling.append(group)
+                self.prefilling.add(group)
             else:
                 group.pull_task = asyncio.create_task(self._pull(group, list(seq.block_ids)))
 
@@ -364,51 +359,22 @@ class DecodeWorker:
             if st.aborted and not st.closed:
                 self._end(st, "abort")
 
-    def _plan_prefill(self) -> tuple[list[PrefillChunk], list[ChoiceGroup]]:
-        """Colocated only: whole prompts at once, or ``prefill_chunk_size`` tokens this step split as
-        the prefill pool splits its budget (`engine.prefill_planner`); into each group's head."""
-        remaining = [len(g.head.req.kv_token_ids) - g.head.prefilled for g in self.prefilling]
-        budget = self.config.prefill_chunk_size or sum(remaining)
-        cap = self.config.prefill_chunk_size or max(remaining, default=1)
-        chunks: list[PrefillChunk] = []
-        groups: list[ChoiceGroup] = []
-        for group, n in zip(self.prefilling, grant_tokens(remaining, budget, cap), strict=True):
-            if n == 0:
-                continue
-            st = group.head
-            seq = self.scheduler.get(st.seq_id)
-            assert seq is not None
-            prompt = st.req.kv_token_ids  # a continuation's: the prompt and the tokens sent but the last
-            chunks.append(PrefillChunk(prompt[st.prefilled : st.prefilled + n], st.prefilled, seq.block_ids,
-                                       prompt_len=len(prompt)))
-            groups.append(group)
-        return chunks, groups
-
     def _after_prefill(
         self, groups: list[ChoiceGroup], chunks: list[PrefillChunk], firsts: dict[int, Sampled],
         scored: list[PromptLogprobs | None], dt: float,
     ) -> None:
         """``firsts``: per row whose prompt the step completed, token 0 of each of its group's choices."""
-        for row, (group, chunk) in enumerate(zip(groups, chunks, strict=True)):
-            st = group.head
-            if st.seq_id not in self.streams:
-                continue  # aborted while the step ran; its blocks are already free
-            st.prefilled += len(chunk.token_ids)
-            for member in group.streams:
-                member.prefill_s += dt
-            if (part := scored[row]) is not None:
-                st.prompt_scores = part if st.prompt_scores is None else st.prompt_scores + part
-            if st.prefilled < len(st.req.kv_token_ids):
-                continue
-            self.prefilling.remove(group)
-            group.kv_in(self.scheduler, self.engine.cache)
+        done = self.prefilling.advance(groups, chunks, scored, dt, lambda seq_id: seq_id in self.streams,
+                                       self.scheduler, self.engine.cache)
+        for row, group in done:
             if row not in firsts:
                 continue  # a continuation: it feeds its last sent token at the next decode step
             # token 0 of every choice from the same logits row, each with its own sampler (seed);
             # the prompt's log-probs ride on the head's
+            head = group.head
             for m, tok, lp, top in zip(group.streams, *firsts[row], strict=True):
                 if m.seq_id in self.streams:
-                    self._emit(m, tok, lp, top, st.prompt_scores if m is st else None)
+                    self._emit(m, tok, lp, top, head.prompt_scores if m is head else None)
 
     def _after_decode(self, streams: list[Stream], out: Sampled) -> None:
         for st, tok, lp, top in zip(streams, *out, strict=True):
