@@ -124,6 +124,9 @@ class StreamResult:
     request_id: str | None = None
     texts: list[str] = field(default_factory=list)  # one per content chunk
     choice_texts: dict[int, str] = field(default_factory=dict)  # each choice's text, by its index
+    # each choice's tokens, by its index, when the request asked for log-probs: (the token, its
+    # alternatives as (token, log-prob), most likely first)
+    choice_tokens: dict[int, list[tuple[str, list[tuple[str, float]]]]] = field(default_factory=dict)
     chunk_times: list[float] = field(default_factory=list)  # when each content chunk arrived (monotonic)
     usage_tokens: int | None = None
     finish_reason: str | None = None
@@ -200,10 +203,23 @@ async def _read(client: httpx.AsyncClient, url: str, body: dict[str, Any], res: 
                 res.chunk_times.append(now)
                 index = choice.get("index", 0)
                 res.choice_texts[index] = res.choice_texts.get(index, "") + text
+                res.choice_tokens.setdefault(index, []).extend(_logprob_tokens(choice.get("logprobs")))
                 res.finish_reason = choice.get("finish_reason") or res.finish_reason
             if drop_after is not None and len(res.texts) >= drop_after:
                 res.dropped = True
                 return  # leaving the context closes the connection mid-stream
+
+
+def _logprob_tokens(lp: dict[str, Any] | None) -> list[tuple[str, list[tuple[str, float]]]]:
+    """A chunk's tokens with their top alternatives, from a completions or a chat ``logprobs`` object."""
+    if not lp:
+        return []
+    if "content" in lp:  # chat
+        return [(t["token"], sorted(((a["token"], a["logprob"]) for a in t.get("top_logprobs") or ()),
+                                    key=lambda x: -x[1])) for t in lp["content"] or ()]
+    tops = lp.get("top_logprobs") or [None] * len(lp.get("tokens") or ())
+    return [(tok, sorted((top or {}).items(), key=lambda x: -x[1]))
+            for tok, top in zip(lp["tokens"], tops, strict=True)]
 
 
 async def drop_before_first_token(url: str, body: dict[str, Any], after_s: float) -> None:
