@@ -8,7 +8,8 @@ one of ``n = 2`` choices, one under a JSON schema. Then the same requests again,
 replica streaming the most of them is SIGKILLed (or SIGSTOPped past the token timeout, then woken):
 every stream completes with the uninterrupted text of every choice and its token count, with no
 error event (a greedy stream, which carries its top two log-probs, may part from it only where its
-two likeliest tokens were a near-tie, which the batch a step ran in decides: `near_tie`); the killed replica is replaced and serves new requests; at idle every replica's books
+two likeliest tokens were a near-tie, which the batch a step ran in decides: `near_tie`); the
+killed replica is replaced and serves new requests; at idle every replica's books
 (blocks, outbox, running and waiting requests) are whole. ``migration_limit`` reached is
 `tests.reliability.test_kills` (limit 0) and `tests.router.test_router_migration`. The request of
 ``n = 2`` makes two continuations at once when its replica dies: they reach a replica only because
