@@ -78,19 +78,21 @@ class NamedToolChoice(BaseModel):
     function: ChoiceFunction
 
 
+def json_text(v: str) -> str:
+    """A field validator: ``v`` must parse as JSON (a call's ``arguments``)."""
+    try:
+        json.loads(v)
+    except ValueError as e:
+        raise ValueError(f"arguments must be a JSON text: {e}") from None
+    return v
+
+
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str
     arguments: str
 
-    @field_validator("arguments")
-    @classmethod
-    def _json(cls, v: str) -> str:
-        try:
-            json.loads(v)
-        except ValueError as e:
-            raise ValueError(f"arguments must be a JSON text: {e}") from None
-        return v
+    _json = field_validator("arguments")(json_text)
 
 
 class MessageToolCall(BaseModel):

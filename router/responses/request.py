@@ -17,12 +17,11 @@ it becomes (`router.responses.convert`, `router.tools`), so its 400s name ``tool
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from router.tool_protocol import FUNCTION_NAME
+from router.tool_protocol import FUNCTION_NAME, json_text
 
 TEXT_PARTS = ("input_text", "output_text")
 ITEM_TYPES = ("message", "function_call", "function_call_output")
@@ -67,14 +66,7 @@ class FunctionCallItem(BaseModel):
     name: str = Field(pattern=FUNCTION_NAME)
     arguments: str
 
-    @field_validator("arguments")
-    @classmethod
-    def _json(cls, v: str) -> str:
-        try:
-            json.loads(v)
-        except ValueError as e:
-            raise ValueError(f"arguments must be a JSON text: {e}") from None
-        return v
+    _json = field_validator("arguments")(json_text)
 
 
 class FunctionCallOutputItem(BaseModel):

@@ -1,7 +1,7 @@
 """The Responses API (``POST /v1/responses``) through a real local Ray Serve, with the official
 ``openai`` client, on the same generation path as chat completions.
 
-Three apps on the package's Ray cluster (tests/e2e/conftest.py), as tests/e2e/test_tool_calls.py builds them:
+Three apps on the package's Ray cluster (tests/e2e/conftest.py), from `tests.support.tool_apps`:
 
 - ``/tiny-pd`` and ``/tiny-colo``: a tiny random Llama with SmolLM2's tokenizer under Qwen2.5's chat
   template (which renders tools and tool messages), real prefill / decode replicas. Oracle: the
@@ -29,14 +29,7 @@ import pytest
 from pydantic import BaseModel, Field
 from ray import serve
 
-from cluster.app import compose_app
-from cluster.config import ClusterConfig
-from router.app import Router
-from router.config import RouterConfig
-from tests.support.models import make_tiny_chat_model
-from tests.support.pd_fakes import FakeConfig, FakeDecode, FakePrefill, fake_tool_codec
-from tests.support.serve_harness import cluster_args, deploy
-from tests.support.tool_templates import QWEN2_5, set_chat_template
+from tests.support.tool_apps import tiny_tool_model, tool_apps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -59,21 +52,13 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return set_chat_template(make_tiny_chat_model(tmp_path_factory.mktemp("qwen-tiny"), seed=3), QWEN2_5)
+    return tiny_tool_model(tmp_path_factory.mktemp("qwen-tiny"))
 
 
 @pytest.fixture(scope="module")
 def apps(serve_base: str, tiny: Path) -> Iterator[dict[str, str]]:
-    fake_cfg = FakeConfig()
-    fake = Router.options(name="router").bind(
-        serve.deployment(FakePrefill).options(name="prefill", ray_actor_options={"num_cpus": 0.05}).bind(fake_cfg),
-        serve.deployment(FakeDecode).options(name="decode", ray_actor_options={"num_cpus": 0.05}).bind(fake_cfg),
-        RouterConfig(served_model_name="tiny", model="unused", max_model_len=4096), fake_tool_codec)
-    with deploy(fake, "fake", serve_base) as fake_url, \
-            deploy(compose_app(ClusterConfig.from_args(cluster_args(str(tiny)))), "tiny-pd", serve_base) as pd_url, \
-            deploy(compose_app(ClusterConfig.from_args(cluster_args(str(tiny), mode="colocated"))),
-                   "tiny-colo", serve_base) as colo_url:
-        yield {"fake": fake_url, "tiny-pd": pd_url, "tiny-colo": colo_url}
+    with tool_apps(serve_base, tiny) as urls:
+        yield urls
 
 
 def client(apps: dict[str, str], name: str) -> openai.OpenAI:
