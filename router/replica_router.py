@@ -30,9 +30,11 @@ that its death caused (`router.migration`). So a replica reported dead is never 
 Why replicas whose stats stopped changing come last: a replica that hangs (stopped, deadlocked,
 partitioned) still looks alive to Serve, and after its streams were moved away (`router.migration`)
 it looks idle; Serve's own accept round trip to it never returns. Its routing stats stop changing
-(every report carries its time, `router.loadboard.REPORTED_AT`), so a replica whose stats have not
-changed for ``stale_after_s`` is a candidate only when no other is. Staleness is measured on this
-process's clock (when the stats last changed here), never by comparing clocks across hosts.
+(every report carries its time, `router.loadboard.REPORTED_AT`), so a replica whose stats last
+changed more than ``stale_after_s`` before the freshest candidate's is a candidate only when no other
+is. Staleness is relative: when the controller itself falls behind (busy cores, a replica restarting)
+every replica's stats freeze together and none is set aside. It is measured on this process's clock
+(when the stats last changed here), never by comparing clocks across hosts.
 
 Invariants: the policy functions stay pure; this class holds only the token book (a request counts
 on at most one replica at a time: tentative from its choice, confirmed from its routing, gone exactly
@@ -114,10 +116,7 @@ class LoadAwareRequestRouter(RequestRouter):
         candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in self._dead]
         if not candidate_replicas:
             return []
-        now = time.monotonic()
-        fresh = [r for r in candidate_replicas
-                 if now - self._stats_seen.get(r.replica_id.unique_id, (None, now))[1] <= self._stale_after_s]
-        candidate_replicas = fresh or candidate_replicas
+        candidate_replicas = self._not_hung(candidate_replicas)
         tokens = request_tokens(pending_request)
         if tokens is not None and pending_request is not None:
             self._unbook(pending_request.metadata.internal_request_id)  # a retry re-chooses from scratch
@@ -129,6 +128,18 @@ class LoadAwareRequestRouter(RequestRouter):
             self._book(pending_request.metadata.internal_request_id, first, request_weight(pending_request, tokens),
                        tentative=True)
         return [[by_id[rid] for rid in rank] for rank in rank_replicas(first, reports)]
+
+    def _not_hung(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
+        """The replicas whose stats changed within ``stale_after_s`` of the freshest one's (all if none;
+        a replica not yet seen in an update counts as fresh)."""
+        changed = {r.replica_id.unique_id: self._stats_seen[r.replica_id.unique_id][1]
+                   for r in replicas if r.replica_id.unique_id in self._stats_seen}
+        if not changed:
+            return replicas
+        newest = max(changed.values())
+        fresh = [r for r in replicas
+                 if newest - changed.get(r.replica_id.unique_id, newest) <= self._stale_after_s]
+        return fresh or replicas
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         tokens = request_tokens(pending_request)
@@ -226,8 +237,8 @@ def serve_router_config(
     """The ``request_router_config`` that puts a deployment's handles on `LoadAwareRequestRouter`."""
     options: dict[str, Any] = {  # a dict: Ray types RequestRouterConfig's kwargs as dicts
         "request_router_class": LoadAwareRequestRouter,
-        # stats unchanged for this long: the replica stopped answering the controller's polls
-        "request_router_kwargs": router_config_kwargs(policy, params or AffinityParams(), max(2.0, 4 * stats_period_s)),
+        # stats this far behind the freshest replica's: it stopped answering the controller's polls
+        "request_router_kwargs": router_config_kwargs(policy, params or AffinityParams(), max(5.0, 5 * stats_period_s)),
         "request_routing_stats_period_s": stats_period_s,
         "request_routing_stats_timeout_s": max(5.0, 3 * stats_period_s),
     }

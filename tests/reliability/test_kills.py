@@ -178,7 +178,12 @@ def test_decode_replica_killed_under_load(app: Journals) -> None:
                     return (len(first) == 8 and first <= journaled | finished
                             and all(live_on(p) for p in pids))
 
-                await _until(both_busy, 60, "all 8 streams on a decode replica, each replica streaming some")
+                try:
+                    await _until(both_busy, 60, "all 8 streams on a decode replica, each replica streaming some")
+                except AssertionError as e:  # say where the burst went, so a miss names its cause
+                    spread = {p: len(live_on(p)) for p in pids}
+                    raise AssertionError(f"{e}: live per replica {spread}, {len(first)} with token 0, "
+                                         f"{len(finished)} finished") from None
                 victim = max(sorted(pids), key=lambda p: len(live_on(p)))
                 cut_ids = live_on(victim)
                 os.kill(victim, signal.SIGKILL)

@@ -141,3 +141,21 @@ def test_a_replica_whose_stats_stopped_changing_comes_last(monkeypatch: pytest.M
     router.update_replicas(reps)
     assert [choose(router, reps, pending(f"r{i}")) for i in range(1, 4)] == ["busy"] * 3
     assert choose(router, reps[:1], pending("r9")) == "hung"  # the last resort is still a resort
+
+
+def test_stats_frozen_everywhere_set_no_replica_aside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When every replica's stats stop changing together (the controller fell behind, not a replica),
+    staleness is relative: none is set aside, and the burst still spreads by load."""
+    monkeypatch.setattr(replica_router.RequestRouter, "update_replicas", lambda self, r: None)
+    now = [100.0]
+    monkeypatch.setattr(replica_router.time, "monotonic", lambda: now[0])
+    router = LoadAwareRequestRouter.__new__(LoadAwareRequestRouter)
+    router.initialize_state(policy="least_outstanding_tokens", stale_after_s=2.0)
+    router._deployment_id = SimpleNamespace(name="test-frozen-decode")
+
+    reps = [SimpleNamespace(replica_id=rid(n), routing_stats={"outstanding_tokens": 0, loadboard.REPORTED_AT: 1.0})
+            for n in ("a", "b")]
+    router.update_replicas(reps)
+    now[0] += 30.0  # no update for 30 s
+    chosen = [choose(router, reps, pending(f"r{i}")) for i in range(4)]
+    assert sorted(chosen) == ["a", "a", "b", "b"], chosen
