@@ -16,7 +16,10 @@ The mapping (OpenAI's meaning of each field; vLLM's Responses server maps them t
 - ``text.format`` → ``response_format`` (``json_schema``'s flat ``name`` / ``schema`` /
   ``description`` / ``strict`` nested under ``json_schema``);
 - ``max_output_tokens`` → ``max_completion_tokens``; ``temperature``, ``top_p``, ``stream`` as
-  they are, and only when sent (the model's generation config fills what is absent, as for chat).
+  they are, and only when sent (the model's generation config fills what is absent, as for chat);
+- ``slo_class`` (pdserve's extension) as it is: the chat path classifies the request
+  (`router.request_objective`), so a class the objectives do not have is the same 400 naming
+  ``slo_class`` on both endpoints.
 
 Invariants: only function tools and function tool choices pass (a built-in tool is a 400 naming
 ``tools``, another choice type one naming ``tool_choice``); a field of the chat request that fails
@@ -59,6 +62,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         body["tool_choice"] = _choice(req.tool_choice)
     if req.parallel_tool_calls is not None:
         body["parallel_tool_calls"] = req.parallel_tool_calls
+    if req.slo_class is not None:
+        body["slo_class"] = req.slo_class
     fmt = req.text.format if req.text is not None else None
     if fmt is not None:
         body["response_format"] = _response_format(fmt.model_dump(by_alias=True, exclude_none=True))

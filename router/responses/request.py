@@ -12,7 +12,8 @@ validation error naming ``input`` and the type; a ``function_call``'s ``argument
 ``text.verbosity`` is ``medium`` or absent. What needs the tokenizer or the chat template (tool
 types, a named choice among the tools, what the template renders) is checked on the chat request
 it becomes (`router.responses.convert`, `router.tools`), so its 400s name ``tools`` or
-``tool_choice``.
+``tool_choice``; so is ``slo_class`` (pdserve's extension, as on chat), classified on the chat path
+(`router.request_objective`), so a class not configured is a 400 naming ``slo_class``.
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None  # accepted either way: nothing is stored
     metadata: dict[str, str] | None = None  # echoed in the response
     user: str | None = None  # echoed in the response
+    # pdserve's extension, as on chat: the objective class it is judged by (`router.request_objective`)
+    slo_class: str | None = None
 
     @field_validator("input", mode="before")
     @classmethod

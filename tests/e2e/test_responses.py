@@ -174,6 +174,15 @@ def test_refused_fields_are_400s_naming_them(apps: dict[str, str], fields: dict[
     assert isinstance(e.value.body, dict) and e.value.body["param"].split(".")[0] == param
 
 
+def test_an_slo_class_reaches_the_chat_path_and_one_not_configured_is_a_400(apps: dict[str, str]) -> None:
+    """pdserve's ``slo_class`` is carried to the chat path, not dropped: the app has no objectives, so
+    any class is refused there, naming the field and the class."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client(apps, "fake").responses.create(model="tiny", input="SAY[[ok]]", extra_body={"slo_class": "gold"})
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "slo_class"
+    assert "gold" in e.value.body["message"]
+
+
 def test_responses_are_not_stored(apps: dict[str, str]) -> None:
     c = client(apps, "fake")
     got = c.responses.create(model="tiny", input="SAY[[ok]]", store=True)

@@ -4,6 +4,7 @@ the chat endpoint renders for the same conversation."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -12,8 +13,10 @@ from pydantic import ValidationError
 
 from router.errors import APIError, from_validation_errors
 from router.fields import account
+from router.objectives import Objectives, SLOClass
 from router.prompt import chat_prompt
 from router.protocol import ChatCompletionRequest
+from router.request_objective import objective_for
 from router.responses.convert import to_chat
 from router.responses.fields import IGNORED, REFUSED
 from router.responses.request import ResponsesRequest
@@ -26,6 +29,9 @@ SERVED = frozenset(ResponsesRequest.model_fields)
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
            "strict": None}
+
+
+ASK_HI = {"role": "user", "content": "hi"}
 
 
 def req(**fields: Any) -> ResponsesRequest:
@@ -146,3 +152,25 @@ def test_unserved_input_is_a_validation_error_naming_its_field(fields: dict[str,
         req(**fields)
     err = from_validation_errors(e.value.errors())
     assert err.status == 400 and err.param is not None and err.param.split(".")[0] == next(iter(fields))
+
+
+def test_slo_class_is_served_and_reaches_the_chat_request(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="pdserve.router"):
+        account({"model": "m", "input": "x", "slo_class": "batch"}, SERVED, REFUSED, IGNORED)  # not refused
+    assert "slo_class" not in caplog.text  # nor dropped as unknown
+    assert to_chat(req(slo_class="batch")).slo_class == "batch"
+    assert to_chat(req()).slo_class is None and "slo_class" not in to_chat(req()).model_fields_set
+
+
+@pytest.mark.parametrize(("objectives", "name"), [(Objectives((SLOClass("chat", ttft_s=0.5, tpot_s=0.1),)), "gold"),
+                                                  (Objectives(), "chat")])
+def test_a_class_not_configured_is_the_chat_paths_400_naming_slo_class(objectives: Objectives, name: str) -> None:
+    chat = to_chat(req(slo_class=name))
+    with pytest.raises(APIError) as ours:
+        objective_for(objectives, 3, chat.slo_class, 0.0)
+    with pytest.raises(APIError) as oracle:  # the chat endpoint's answer to the same class
+        objective_for(objectives, 3, ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [ASK_HI], "slo_class": name}).slo_class, 0.0)
+    assert ours.value.status == 400 and ours.value.param == "slo_class" and name in ours.value.message
+    assert (ours.value.status, ours.value.param, ours.value.message) == \
+        (oracle.value.status, oracle.value.param, oracle.value.message)
