@@ -7,7 +7,9 @@ Each pool's handles route with `router.replica_router.LoadAwareRequestRouter` ov
 own load reports (``record_routing_stats`` → ``load()``); decode replicas read the prefill replicas'
 reports too (by the deployment's name, `PREFILL_DEPLOYMENT`), to meet every KV source at start-up.
 
-Placement, autoscaling and graceful drain come from each section via `cluster.placement`.
+Placement, autoscaling and graceful drain come from each section via `cluster.placement`; a pool
+scaling on its own load (``autoscaling.policy: objectives``) also reports its signals to Serve
+(`cluster.autoscaling.with_scaling_signals`).
 
 Invariants: the only place the components meet; every replica gets its whole config as one frozen
 object; replica classes can be swapped (tests pass fakes with the same constructor and methods).
@@ -22,6 +24,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.deployment import Deployment
 
+from cluster.autoscaling import with_scaling_signals
 from cluster.config import PREFILL_DEPLOYMENT, ClusterConfig
 from cluster.placement import actor_placement, serve_options
 from router.app import Router
@@ -65,7 +68,7 @@ def compose_app(
     threads = cfg.engine.num_threads
     period = cfg.router.routing_stats_period_s
 
-    decode = _deployment(with_routing_stats(decode_cls)).options(
+    decode = _deployment(with_scaling_signals(with_routing_stats(decode_cls), cfg.decode.autoscaling)).options(
         name="decode",
         max_ongoing_requests=cfg.decode.max_ongoing_requests,
         ray_actor_options=_actor_options(cfg.decode.num_cpus, cfg.decode.num_gpus, threads)
@@ -80,7 +83,7 @@ def compose_app(
             from prefill_worker.deployment import PrefillServer
 
             prefill_cls = PrefillServer
-        prefill = _deployment(with_routing_stats(prefill_cls)).options(
+        prefill = _deployment(with_scaling_signals(with_routing_stats(prefill_cls), cfg.prefill.autoscaling)).options(
             name=PREFILL_DEPLOYMENT,
             max_ongoing_requests=cfg.prefill.max_ongoing_requests,
             ray_actor_options=_actor_options(cfg.prefill.num_cpus, cfg.prefill.num_gpus, threads)

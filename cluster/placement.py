@@ -4,7 +4,8 @@ Owns:
 - the YAML sections every deployment (``router``, ``prefill``, ``decode``) has: ``placement``
   (`PlacementSection`: ``resources``, Ray custom resources per replica, e.g. ``{prefill_node: 0.01}``;
   ``label_selector``, Ray node labels, e.g. ``{pdserve.io/pool: prefill}``; ``max_replicas_per_node``),
-  ``autoscaling`` (`AutoscalingSection`: Serve's min/max replicas, target ongoing requests) and
+  ``autoscaling`` (`AutoscalingSection`: Serve's min/max replicas, target ongoing requests; the pools
+  add a policy of their own, `cluster.autoscaling`) and
   ``drain`` (`DrainSection`: Serve's graceful shutdown), plus the rule between replica count and
   autoscaling (`check_scaling`);
 - their translation into ``Deployment.options(...)`` (`serve_options`) and ``ray_actor_options``
@@ -61,6 +62,10 @@ class AutoscalingSection(_Strict):
             raise ValueError(f"autoscaling needs min_replicas <= initial_replicas <= max_replicas, got "
                              f"{self.min_replicas} <= {start} <= {self.max_replicas}")
         return self
+
+    def serve_config(self) -> dict[str, Any]:
+        """Serve's ``autoscaling_config`` (a pool's section adds its policy: `cluster.autoscaling`)."""
+        return self.model_dump(exclude_none=True)
 
 
 class DrainSection(_Strict):
@@ -152,7 +157,7 @@ def serve_options(section: Scaling) -> dict[str, Any]:
     }
     if section.autoscaling is not None:
         opts["num_replicas"] = None  # Serve refuses a fixed count next to an autoscaling_config
-        opts["autoscaling_config"] = section.autoscaling.model_dump(exclude_none=True)
+        opts["autoscaling_config"] = section.autoscaling.serve_config()
     else:
         opts["num_replicas"] = section.num_replicas
     if section.placement.max_replicas_per_node is not None:

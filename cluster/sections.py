@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.autoscaling import DecodeAutoscaling, PrefillAutoscaling
 from cluster.placement import AutoscalingSection, DrainSection, PlacementSection
 from decode_worker.config import DecodeWorkerConfig
 from engine.config import AUTO_DTYPE, EngineConfig, parse_dtype
@@ -117,6 +118,7 @@ class PrefillSection(_Pool):
     num_blocks: int | None = Field(default=None, ge=1)
     policy: str = "prefix_affinity"  # a name in router.policy.POLICIES
     affinity: AffinitySection = AffinitySection()
+    autoscaling: PrefillAutoscaling | None = None  # instead of num_replicas; may scale on queue wait
 
     @field_validator("policy")
     @classmethod
@@ -134,6 +136,7 @@ class DecodeSection(_Pool):
     # colocated replicas prefill, so a shared prefix pays there; disaggregated decode replicas do not
     policy: str | None = None  # a name in router.policy.POLICIES; None: by mode (`decode_policy`)
     affinity: AffinitySection = AffinitySection()
+    autoscaling: DecodeAutoscaling | None = None  # instead of num_replicas; may scale on KV use
 
     @field_validator("policy")
     @classmethod
