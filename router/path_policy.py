@@ -9,7 +9,7 @@ simulator (`cluster.planner.simulator`) calls for every simulated request.
 Why conditional disaggregation (Splitwise's and Dynamo's idea): a remote prefill pays the prefill
 pool's queue and a KV transfer; a short or mostly cached prompt costs the decode replica one small
 chunk between two steps, which its running streams absorb when the chunk is held under the per-step
-token budget (`router.step_model.step_token_budget`). Long prompts stay remote: prefilling them
+token budget (`engine.step_model.step_token_budget`). Long prompts stay remote: prefilling them
 locally would take many budgeted steps, and that is the interference disaggregation removes.
 
 The rule, in order (the first that applies):
@@ -33,8 +33,8 @@ import enum
 import math
 from dataclasses import dataclass
 
+from engine.step_model import StepTimeModel, step_token_budget
 from router.objectives import SLOClass
-from router.step_model import StepTimeModel, step_token_budget
 
 
 class Path(enum.Enum):
