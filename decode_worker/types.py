@@ -68,6 +68,11 @@ class DecodeRequest:
     handle: KVHandle | None = None
     arrival_time: float = 0.0
     prompt_logprobs: int | None = None  # prefilled here only: the prompt's log-probs, k alternatives each
+    # the request's objectives, when the router has them (`router.request_objective`): when token 0 is
+    # due (absolute, on the router's wall clock, as `PrefillRequest.ttft_deadline`: orders the prompts
+    # prefilled here) and its class's TPOT objective (while it runs, caps what a step prefills beside it)
+    ttft_deadline: float | None = None
+    tpot_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -79,6 +84,8 @@ class DecodeRequest:
         if carried and len(self.choices) > 1:
             raise ValueError(f"{self.request_id}: a continuation is one choice alone; choices {carried} of "
                              f"{indices} carry sent tokens")
+        if self.tpot_s is not None and not self.tpot_s > 0:
+            raise ValueError(f"{self.request_id}: tpot_s must be positive, got {self.tpot_s}")
         if carried and self.prompt_logprobs is not None:
             raise ValueError("a continuation takes no prompt log-probs (token 0 already carried them)")
 

@@ -68,6 +68,7 @@ from router.fields import FieldTables, account
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_format import DONE, ChatFormatter, CompletionFormatter, Formatter, sse
+from router.path_choice import PathChoice
 from router.prompt import chat_prompt, completion_prompt, echo_text, sampling_for
 from router.protocol import (
     ChatCompletionRequest,
@@ -157,8 +158,12 @@ class Router:
         self._backends = Backends(prefill_handle, decode_handle, config.prefill_timeout_s,
                                   config.token_timeout_s, config.ready_timeout_s)
         self._admission = Admission(config.max_inflight_requests)
+        choice = None
+        if prefill_handle is not None and config.prefill_path == "auto":
+            choice = PathChoice(config.path_policy, prefill_handle.deployment_name, decode_handle.deployment_name,
+                                self._metrics)
         self._generation = Generation(self._backends, self._codec, self._metrics, self._admission,
-                                      config.migration_limit)
+                                      config.migration_limit, choice)
         self._keys = tuple(k.encode() for k in config.api_keys)
         self._drain = DrainFlag(current_app_name())
         self._metrics.track_in_flight(lambda: self._admission.in_flight)
