@@ -11,7 +11,6 @@ for a request whose KV the decode replica pulled from a prefill replica).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
