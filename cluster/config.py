@@ -227,6 +227,7 @@ class ClusterConfig(_Section):
             step = max(d.max_num_seqs, d.prefill_chunk_size) if d.prefill_chunk_size else None
         return DecodeWorkerConfig(model=self.model, engine=self._engine(d, step), kv=self._kv(), mode=self.mode,
                                   prefill_chunk_size=chunk, local_prefill=self.local_prefill,
+                                  tpot_safety=self.router.path_policy.tpot_safety,
                                   stream_interval=d.stream_interval,
                                   watermark_blocks=d.watermark_blocks, max_swap_blocks=d.max_swap_blocks,
                                   max_queue=d.max_queue, token_timeout_s=self.limits.token_timeout_s,

@@ -45,6 +45,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import torch
 
@@ -53,6 +54,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import KVImporter
 from decode_worker.local_prefill import LocalPrefill
 from decode_worker.scheduler import DecodeScheduler, SchedulerConfig, SchedulerOutput, SeqStatus
+from decode_worker.step_budget import StepBudget
 from decode_worker.stream import Stream
 from decode_worker.swap_space import HostSwapSpace
 from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent
@@ -100,6 +102,8 @@ class DecodeWorker:
         self.streams: dict[str, Stream] = {}  # by sequence id
         self.groups: dict[str, ChoiceGroup] = {}  # by request id, while any of its streams is live
         self.prefilling = LocalPrefill(config.prefill_chunk_size)  # admitted, KV still computed here
+        # the step-time fit of this replica's measured steps and, disaggregated, each step's LOCAL budget
+        self.budget = StepBudget(config.prefill_chunk_size, config.tpot_safety)
         # swapped-out KV waits in host memory allocated here, once (pinned on CUDA): `HostSwapSpace`
         self.swap_space = HostSwapSpace(engine.cache, config.max_swap_blocks)
         log.info("swap space: %d blocks, %.1f GiB of %s host memory", config.max_swap_blocks,
@@ -156,7 +160,29 @@ class DecodeWorker:
             step_seconds=self.step_seconds,
             step_sequences=self.step_sequences,
             step_cpu_seconds=self.step_cpu_seconds,
+            **self._path_load(),
         )
+
+    def _path_load(self) -> dict[str, Any]:
+        """What the router's path decision reads of this replica (`engine.load_report.LoadReport`): the
+        running streams' context and tightest TPOT objective, the prompt tokens still to prefill here
+        (admitted, and waiting without a KV handle), the step fit's coefficients."""
+        context, tpots, queued = 0, [], sum(self.prefilling.remaining())
+        for st in self.streams.values():
+            seq = self.scheduler.get(st.seq_id)
+            if seq is None:
+                continue
+            if seq.status is SeqStatus.RUNNING:
+                context += seq.num_tokens
+                if st.req.tpot_s is not None:
+                    tpots.append(st.req.tpot_s)
+            elif seq.status is SeqStatus.WAITING and st.req.handle is None and st.index == st.req.choices[0].index:
+                queued += len(st.req.kv_token_ids)
+        fit = self.budget.fit.model()
+        return {"running_context_tokens": context, "running_tpot_s": min(tpots, default=None),
+                "local_queue_tokens": queued,
+                "step_fit": None if fit is None else (fit.base_s, fit.per_seq_s, fit.per_context_token_s,
+                                                      fit.per_prefill_token_s)}
 
     def is_idle(self) -> bool:
         return not self.streams and not self.scheduler.has_work()
@@ -263,7 +289,8 @@ class DecodeWorker:
         out = self.scheduler.schedule()
         self._execute_swaps_and_admissions(out)
         decode = [self.streams[s.seq_id] for s in out.decode if s.seq_id in self.streams]
-        chunks, prefill_groups = self.prefilling.plan(self.scheduler)
+        budget = self._local_budget(decode) if self.prefilling and not self.colocated else None
+        chunks, prefill_groups = self.prefilling.plan(self.scheduler, budget)
         prefill_streams = [g.head for g in prefill_groups]
         if not decode and not chunks:
             await self._loop.idle(1.0)
@@ -285,6 +312,7 @@ class DecodeWorker:
         self.num_steps += 1
         self.step_seconds += dt
         self.step_sequences += len(seqs)
+        self.budget.record(len(seqs), sum(q.position for q in seqs), sum(len(c.token_ids) for c in chunks), dt)
         if decode:
             self._after_decode(decode, sampled.rows(0, len(decode)))
         if chunks:
@@ -293,6 +321,13 @@ class DecodeWorker:
                 firsts[row] = sampled.rows(at, at + len(states))
                 at += len(states)
             self._after_prefill(prefill_groups, chunks, firsts, scored, dt)
+
+    def _local_budget(self, decode: list[Stream]) -> int:
+        """This step's LOCAL prefill tokens (disaggregated): `StepBudget.tokens` of the streams it decodes."""
+        seqs = [self.scheduler.get(st.seq_id) for st in decode]
+        context = sum(seq.num_tokens for seq in seqs if seq is not None)
+        tpot = min((st.req.tpot_s for st in decode if st.req.tpot_s is not None), default=None)
+        return self.budget.tokens(len(decode), context, tpot, sum(self.prefilling.remaining()))
 
     def _forward(
         self, seqs: list[DecodeSeq], chunks: list[PrefillChunk], asks: list[ScoreAsk | None],

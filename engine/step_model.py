@@ -55,8 +55,12 @@ class StepTimeModel:
                 + self.per_prefill_token_s * prefill_tokens)
 
 
+#: the share of the tightest running TPOT objective a step may take (the rest: the model's error)
+TPOT_SAFETY = 0.9
+
+
 def step_token_budget(model: StepTimeModel, batch: int, context_tokens: int, tpot_s: float | None,
-                      cap: int, safety: float = 0.9) -> int:
+                      cap: int, safety: float = TPOT_SAFETY) -> int:
     """Prompt tokens one step may prefill beside ``batch`` running streams (``context_tokens`` in all)
     so that the step stays within ``safety * tpot_s``, the tightest TPOT objective among them.
 

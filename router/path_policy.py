@@ -33,7 +33,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from engine.step_model import StepTimeModel, step_token_budget
+from engine.step_model import TPOT_SAFETY, StepTimeModel, step_token_budget
 from router.objectives import SLOClass
 
 
@@ -83,7 +83,7 @@ class PathParams:
     max_chunk_tokens: int = 512  # the most prompt tokens one local step prefills
     short_prompt_tokens: int = 64  # uncached tokens at most this: a short prompt
     min_cached_fraction: float = 0.5  # cached share of the prompt from which LOCAL is preferred
-    tpot_safety: float = 0.9  # a step may take this share of the tightest TPOT objective
+    tpot_safety: float = TPOT_SAFETY  # a step may take this share of the tightest TPOT objective
 
     def __post_init__(self) -> None:
         if self.max_chunk_tokens < 1 or self.short_prompt_tokens < 0:
