@@ -6,7 +6,8 @@ class (stateless; any number of replicas behind any load balancer).
 Per request: read the body (≤ ``max_body_bytes``, else 413) → auth (Bearer key, constant-time
 compare) → validate (400 in OpenAI's shape) → model name (404) → chat template + tokenize →
 context bound (400 ``context_length_exceeded``) → `Generation` (admission: 429 past
-``max_inflight_requests``; prefill, token 0 sent at once, decode stream relayed) → SSE chunks
+``max_inflight_requests``; the path, `router.path_choice`, disaggregated under ``prefill_path: auto``;
+REMOTE: prefill, token 0 sent at once, decode stream relayed; LOCAL: the decode stream alone) → SSE chunks
 ending in ``data: [DONE]``, or one JSON response.
 
 Readiness: ``/health`` says the process answers; ``/ready`` says to send traffic here. ``/ready`` is

@@ -218,3 +218,27 @@ async def test_a_local_requests_continuation_is_local() -> None:
     first, cont = dec.requests
     assert first.handle is None and cont.handle is None and ph.calls == []
     assert cont.request_id == "r1:m1.0" and cont.choices[0].generated == tuple(ord(c) for c in expected_text("abc", 4))
+
+
+def test_a_decode_report_crosses_the_controller_as_json_and_back() -> None:
+    """What the decision reads survives routing stats' plain-value form (a tuple comes back a list)."""
+    import json
+
+    from router.loadboard import REPORTED_AT, report_to_stats, stats_to_report
+
+    rep = decode("d1", 40, num_running=2, running_context_tokens=300, running_tpot_s=0.05, local_queue_tokens=12,
+                 step_fit=FIT)
+    stats = json.loads(json.dumps(report_to_stats(rep)))
+    assert REPORTED_AT in stats and stats_to_report("d1", stats, "decode") == rep
+    bare = json.loads(json.dumps(report_to_stats(decode("d2"))))
+    assert stats_to_report("d2", bare, "decode").step_fit is None
+
+
+def test_the_router_config_refuses_an_unknown_or_useless_prefill_path() -> None:
+    from router.config import RouterConfig
+
+    with pytest.raises(ValueError, match="prefill_path must be one of"):
+        RouterConfig(prefill_path="local")
+    with pytest.raises(ValueError, match="prefill_path='remote' needs mode 'disaggregated'"):
+        RouterConfig(mode="colocated", prefill_path="remote")
+    assert RouterConfig().prefill_path == "auto"
