@@ -104,7 +104,14 @@ class ClusterConfig(_Section):
             if self.disaggregated and self.kv.transport == "nccl" and pool.num_gpus <= 0:
                 raise ValueError(f"kv.transport='nccl' needs {name}.num_gpus > 0 (NCCL moves GPU memory)")
         if self.disaggregated and self.decode.prefill_chunk_size:
-            raise ValueError("decode.prefill_chunk_size applies to mode='colocated' only")
+            raise ValueError("decode.prefill_chunk_size applies to mode='colocated' only (disaggregated, a "
+                             "decode step's local prefill is capped by router.path_policy.max_chunk_tokens)")
+        if not self.disaggregated and self.router.prefill_path != "auto":
+            raise ValueError(f"router.prefill_path={self.router.prefill_path!r} needs mode='disaggregated' "
+                             "(colocated, every prompt is prefilled on the decode replica)")
+        if not self.local_prefill and "path_policy" in self.router.model_fields_set:
+            raise ValueError("router.path_policy applies to mode='disaggregated' with router.prefill_path='auto' "
+                             "only (nothing decides a path otherwise)")
         if self.disaggregated and self._kv_dtype(self.prefill) != self._kv_dtype(self.decode):
             raise ValueError(
                 f"{self._dtype_source('prefill', self.prefill)} and {self._dtype_source('decode', self.decode)} "
@@ -112,6 +119,11 @@ class ClusterConfig(_Section):
                 f"{_name(self._kv_dtype(self.decode))}); the decode pool takes the prefill pool's KV cache as "
                 f"it is, so in mode 'disaggregated' they must agree")
         return self
+
+    @property
+    def local_prefill(self) -> bool:
+        """Disaggregated with the per-request path: decode replicas prefill the LOCAL requests."""
+        return self.disaggregated and self.router.prefill_path == "auto"
 
     def _pool_dtype(self, pool: _Pool) -> str:
         return pool.dtype or self.engine.dtype
@@ -206,11 +218,17 @@ class ClusterConfig(_Section):
 
     def decode_worker_config(self) -> DecodeWorkerConfig:
         d = self.decode
-        # a disaggregated decode step runs one row per sequence; colocated, a prompt (chunk) too (None: a whole one)
-        step = d.max_num_seqs if self.disaggregated else (
-            max(d.max_num_seqs, d.prefill_chunk_size) if d.prefill_chunk_size else None)
+        # a disaggregated decode step runs one row per sequence, plus a LOCAL prompt chunk with the
+        # per-request path; colocated, a prompt (chunk) too (None: a whole one)
+        chunk = self.router.path_policy.max_chunk_tokens if self.local_prefill else d.prefill_chunk_size
+        if self.disaggregated:
+            step: int | None = d.max_num_seqs + (chunk if self.local_prefill else 0)
+        else:
+            step = max(d.max_num_seqs, d.prefill_chunk_size) if d.prefill_chunk_size else None
         return DecodeWorkerConfig(model=self.model, engine=self._engine(d, step), kv=self._kv(), mode=self.mode,
-                                  prefill_chunk_size=d.prefill_chunk_size, stream_interval=d.stream_interval,
+                                  prefill_chunk_size=chunk, local_prefill=self.local_prefill,
+                                  tpot_safety=self.router.path_policy.tpot_safety,
+                                  stream_interval=d.stream_interval,
                                   watermark_blocks=d.watermark_blocks, max_swap_blocks=d.max_swap_blocks,
                                   max_queue=d.max_queue, token_timeout_s=self.limits.token_timeout_s,
                                   model_cache_dir=self.model_cache_dir,
@@ -227,7 +245,8 @@ class ClusterConfig(_Section):
                             max_choices=min(RouterConfig.max_choices,
                                                                                  self.decode.max_num_seqs),
                             max_inflight_requests=lim.max_inflight_requests or self.decode_capacity_per_router(),
-                            objectives=self.objectives.build())
+                            objectives=self.objectives.build(), prefill_path=self.router.prefill_path,
+                            path_policy=self.router.path_policy.build())
 
     def decode_capacity_per_router(self) -> int:
         """Requests the decode pool holds (running + queued, at its most replicas), per router replica.

@@ -1,10 +1,11 @@
 """The YAML schema of a pdserve cluster, one pydantic model per section of a Serve YAML's ``args:``.
 
 Owns: `EngineSection`, the pools' sections (`PrefillSection`, `DecodeSection`, `AffinitySection`),
-`RouterSection`, `KVSection`, `LimitsSection` and `ObjectivesSection`, with their per-field checks. Every section is
-``extra="forbid"`` (a misspelt key is an error naming it) and frozen; a field's default is that of
-the component config it feeds (stated there once). `cluster.config.ClusterConfig` holds them
-together, adds the cross-field rules and builds the component configs.
+`RouterSection` (with `PathPolicySection`), `KVSection`, `LimitsSection` and `ObjectivesSection`, with
+their per-field checks. Every section is ``extra="forbid"`` (a misspelt key is an error naming it) and
+frozen; a field's default is that of the component config it feeds (stated there once).
+`cluster.config.ClusterConfig` holds them together, adds the cross-field rules and builds the component
+configs.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from cluster.placement import AutoscalingSection, DrainSection, PlacementSection
 from decode_worker.config import DecodeWorkerConfig
 from engine.config import AUTO_DTYPE, EngineConfig, parse_dtype
 from engine.kv_budget import check_budget
+from engine.step_model import PRIOR
 from kv_transfer.config import KVTransferConfig, Transport
 from prefill_worker.config import PrefillWorkerConfig
 from router.config import RouterConfig
 from router.objectives import Objectives, SLOClass
+from router.path_policy import PathParams
 from router.policy import known_policy
 
 
@@ -144,6 +147,21 @@ class DecodeSection(_Pool):
         return v if v is None else known_policy(v)
 
 
+class PathPolicySection(_Section):
+    """The path decision's knobs (`router.path_policy.PathParams`, which states what each does)."""
+
+    short_prompt_tokens: int = Field(default=PathParams.short_prompt_tokens, ge=0)
+    min_cached_fraction: float = Field(default=PathParams.min_cached_fraction, gt=0, le=1)
+    tpot_safety: float = Field(default=PathParams.tpot_safety, gt=0, le=1)
+    # the most prompt tokens one decode step prefills (the decode replica's local chunk cap)
+    max_chunk_tokens: int = Field(default=PathParams.max_chunk_tokens, ge=1)
+
+    def build(self) -> PathParams:
+        return PathParams(step=PRIOR, max_chunk_tokens=self.max_chunk_tokens,
+                          short_prompt_tokens=self.short_prompt_tokens,
+                          min_cached_fraction=self.min_cached_fraction, tpot_safety=self.tpot_safety)
+
+
 class RouterSection(_Section):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=0.1, ge=0)
@@ -154,6 +172,10 @@ class RouterSection(_Section):
     placement: PlacementSection = PlacementSection()
     autoscaling: AutoscalingSection | None = None
     drain: DrainSection = DrainSection()
+    # disaggregated: "auto" prefills each request where `router.path_choice` decides (LOCAL on the decode
+    # replica, or REMOTE), "remote" always in the prefill pool; colocated: "auto" only
+    prefill_path: Literal["auto", "remote"] = "auto"
+    path_policy: PathPolicySection = PathPolicySection()
 
     @field_validator("api_keys")
     @classmethod

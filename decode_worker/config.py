@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from decode_worker.scheduler import SchedulerConfig
 from engine.config import EngineConfig
 from engine.loading.bundled import DEFAULT_MODEL
+from engine.step_model import TPOT_SAFETY
 from kv_transfer.config import KVTransferConfig
 
 
@@ -20,7 +21,15 @@ class DecodeWorkerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv: KVTransferConfig = field(default_factory=KVTransferConfig)
     mode: str = "disaggregated"  # "disaggregated" | "colocated"
-    prefill_chunk_size: int = 0  # colocated: 0 = whole prompt at once, else chunk size in tokens
+    # prompt tokens a step prefills here, over all prompts (colocated, or LOCAL requests of a
+    # disaggregated cluster): 0 = every prompt whole
+    prefill_chunk_size: int = 0
+    # disaggregated: requests without a KV handle (the router's LOCAL path, `router.prefill_path: auto`)
+    # are prefilled here, between decode steps; off, they are refused
+    local_prefill: bool = False
+    # disaggregated: a step's LOCAL prefill tokens keep the step within this share of the tightest running
+    # TPOT objective (`engine.step_model.step_token_budget`; ``prefill_chunk_size`` is the cap)
+    tpot_safety: float = TPOT_SAFETY
     watermark_blocks: int = SchedulerConfig.watermark_blocks
     max_swap_blocks: int = SchedulerConfig.max_swap_blocks
     max_queue: int = 256  # waiting requests beyond this are refused (the router answers 429)

@@ -4,8 +4,11 @@ Owns: `LocalPrefill`, the admitted `ChoiceGroup`s whose KV is still being writte
 mode: every request; a continuation: the prompt and the tokens already sent but the last), how many
 of each one's tokens a step computes, and what a finished prefill hands back.
 
-A step's share: whole prompts at once (``chunk_size == 0``), or ``chunk_size`` tokens this step,
-split among the groups as the prefill pool splits its budget (`engine.prefill_planner.grant_tokens`),
+A step's share: whole prompts at once (``chunk_size == 0``), or ``chunk_size`` tokens this step (or
+the budget the caller passes: a disaggregated replica's per-step token budget, at most
+``chunk_size``), split among the groups as the prefill pool splits its budget
+(`engine.prefill_planner.grant_tokens`: earliest TTFT deadline first when any group's request carries
+one, ``DecodeRequest.ttft_deadline``, a group without one due after every other; else oldest first),
 each chunk written into its group's head's blocks. A group whose prompt a step completes gets its KV
 marked in (`ChoiceGroup.kv_in`: the forks' shared partial block copied) and, unless it is a
 continuation (its next token already sent: ``Stream.next_token``), token 0 of every choice sampled
@@ -19,6 +22,7 @@ chunks a step computed for it; a head that ended while the step ran is skipped (
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 
 from decode_worker.choices import ChoiceGroup
@@ -47,14 +51,24 @@ class LocalPrefill:
         with contextlib.suppress(ValueError):
             self.groups.remove(group)
 
-    def plan(self, scheduler: DecodeScheduler) -> tuple[list[PrefillChunk], list[ChoiceGroup]]:
-        """This step's chunks, one per group granted tokens (same order as the groups returned)."""
-        remaining = [len(g.head.req.kv_token_ids) - g.head.prefilled for g in self.groups]
-        budget = self.chunk_size or sum(remaining)
+    def remaining(self) -> list[int]:
+        """Each group's prompt tokens still to prefill, in admission order."""
+        return [len(g.head.req.kv_token_ids) - g.head.prefilled for g in self.groups]
+
+    def plan(self, scheduler: DecodeScheduler, budget: int | None = None
+             ) -> tuple[list[PrefillChunk], list[ChoiceGroup]]:
+        """This step's chunks, one per group granted tokens (same order as the groups returned);
+        ``budget``: this step's tokens over all groups (None: ``chunk_size``, or every prompt whole)."""
+        remaining = self.remaining()
+        if budget is None:
+            budget = self.chunk_size or sum(remaining)
         cap = self.chunk_size or max(remaining, default=1)
+        deadlines = None
+        if any(g.req.ttft_deadline is not None for g in self.groups):
+            deadlines = [math.inf if g.req.ttft_deadline is None else g.req.ttft_deadline for g in self.groups]
         chunks: list[PrefillChunk] = []
         groups: list[ChoiceGroup] = []
-        for group, n in zip(self.groups, grant_tokens(remaining, budget, cap), strict=True):
+        for group, n in zip(self.groups, grant_tokens(remaining, budget, cap, deadlines), strict=True):
             if n == 0:
                 continue
             st = group.head

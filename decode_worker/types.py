@@ -18,8 +18,8 @@ from kv_transfer.handle import KVHandle
 @dataclass(frozen=True)
 class DecodeChoice:
     """One choice of a request to decode: its index among the request's ``n`` (which picks its seed,
-    `engine.sampling.choices`, and its sequence id in the decode worker) and, disaggregated, its
-    token 0 from the prefill (colocated: None).
+    `engine.sampling.choices`, and its sequence id in the decode worker) and, when a prefill replica
+    built the KV, its token 0 from the prefill (prefilled on the decode replica: None).
 
     A continuation (the choice's decode replica went away mid-stream, `router.migration`) also
     carries ``decoded``, the tokens already sent after token 0: ``generated`` is every token the
@@ -45,15 +45,17 @@ class DecodeChoice:
 class DecodeRequest:
     """Continue a sequence whose prompt KV was built by a prefill replica (or build it here).
 
-    ``choices`` lists each choice to decode, one for ``n == 1`` (the default: choice 0, colocated).
-    Disaggregated: each choice carries its token 0 from the prefill and ``handle`` says where the
-    prompt's KV is. Colocated: no choice carries a token 0, ``handle`` is ``None``, and the worker
-    prefills the prompt itself, then streams each choice's token 0 as its first event. The prompt's
-    KV is pulled (or prefilled) once and forked into one sequence per further choice.
+    ``choices`` lists each choice to decode, one for ``n == 1`` (the default: choice 0, no token 0).
+    Prefilled remotely (the REMOTE path): each choice carries its token 0 from the prefill and
+    ``handle`` says where the prompt's KV is. Prefilled on the decode replica (colocated, or the
+    router's LOCAL path in a disaggregated cluster): no choice carries a token 0, ``handle`` is
+    ``None``, and the worker prefills the prompt itself, then streams each choice's token 0 as its
+    first event. The prompt's KV is pulled (or prefilled) once and forked into one sequence per
+    further choice.
 
     A continuation is one choice alone that carries tokens already sent (`DecodeChoice.generated`):
     the KV it needs is ``kv_token_ids`` (the prompt and every sent token but the last), pulled from
-    ``handle`` or, colocated, prefilled here; its first event is the token after the last sent.
+    ``handle`` or, without one, prefilled here; its first event is the token after the last sent.
 
     Invariants: at least one choice; choice indices are distinct and >= 0; a choice that carries
     more than token 0 is alone.
@@ -65,7 +67,12 @@ class DecodeRequest:
     choices: tuple[DecodeChoice, ...] = (DecodeChoice(0),)
     handle: KVHandle | None = None
     arrival_time: float = 0.0
-    prompt_logprobs: int | None = None  # colocated only: the prompt's log-probs, k alternatives each
+    prompt_logprobs: int | None = None  # prefilled here only: the prompt's log-probs, k alternatives each
+    # the request's objectives, when the router has them (`router.request_objective`): when token 0 is
+    # due (absolute, on the router's wall clock, as `PrefillRequest.ttft_deadline`: orders the prompts
+    # prefilled here) and its class's TPOT objective (while it runs, caps what a step prefills beside it)
+    ttft_deadline: float | None = None
+    tpot_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -77,6 +84,8 @@ class DecodeRequest:
         if carried and len(self.choices) > 1:
             raise ValueError(f"{self.request_id}: a continuation is one choice alone; choices {carried} of "
                              f"{indices} carry sent tokens")
+        if self.tpot_s is not None and not self.tpot_s > 0:
+            raise ValueError(f"{self.request_id}: tpot_s must be positive, got {self.tpot_s}")
         if carried and self.prompt_logprobs is not None:
             raise ValueError("a continuation takes no prompt log-probs (token 0 already carried them)")
 
@@ -95,7 +104,7 @@ class DecodeTimings:
     queue_s: float = 0.0  # waiting for blocks / a batch slot
     transfer_s: float = 0.0  # KV pull
     transfer_bytes: int = 0
-    prefill_s: float = 0.0  # colocated mode only
+    prefill_s: float = 0.0  # prefilled on the decode replica only
     decode_s: float = 0.0
 
 
@@ -119,7 +128,7 @@ class TokenEvent:
     error: str | None = None
     error_code: str | None = None  # with "error": what failed, for callers that can recover (KV_LOST)
     timings: DecodeTimings | None = None  # on the last event
-    prompt_logprobs: PromptLogprobs | None = None  # colocated, with token 0, when the request asks
+    prompt_logprobs: PromptLogprobs | None = None  # prefilled here, with token 0, when the request asks
 
 
 def merge_events(events: list[TokenEvent]) -> TokenEvent:

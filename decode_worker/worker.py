@@ -6,16 +6,17 @@ Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler
    bound, creates a `Stream` (its sampler state: the matcher rebuilt from token 0) and adds the
    sequence to **waiting**. It then relays the stream's events to the caller until the final one.
 2. The step loop calls ``schedule()``. An admitted sequence has blocks reserved for its prompt KV
-   plus the next token and moves to **transferring**: disaggregated, a pull task imports the KV
-   from the prefill replica's outbox (`KVImporter`); colocated, the worker prefills the prompt
-   itself, whole or ``prefill_chunk_size`` tokens per step, between decode steps
+   plus the next token and moves to **transferring**: a request with a KV handle has a pull task
+   import the KV from the prefill replica's outbox (`KVImporter`); one without (colocated, or the
+   router's LOCAL path in a disaggregated cluster: ``DecodeWorkerConfig.local_prefill``) is
+   prefilled here, whole or ``prefill_chunk_size`` tokens per step, between decode steps
    (`decode_worker.local_prefill`; scoring the prompt's log-probs chunk by chunk when the request
    asks; token 0's event carries them).
 3. When the KV is in, the sequence is **running**: every step runs one batched decode over all
    running sequences (the first step feeds token 0), samples, and pushes each new token to its
    stream. Blocks are appended at block boundaries; when they run out the scheduler swaps the
-   youngest sequence out to host memory (**swapped**, `HostSwapSpace`) and back in later — the decode pool never
-   recomputes, so it never runs a prefill in disaggregated mode.
+   youngest sequence out to host memory (**swapped**, `HostSwapSpace`) and back in later — the decode
+   pool never recomputes, so in disaggregated mode it prefills only the LOCAL requests it is sent.
 4. A stream ends on EOS (unless ``ignore_eos``), a stop id, a complete grammar, ``max_tokens``, an
    error (a token the request's grammar rejects is one, never emitted), or abort:
    the caller closing the stream frees its blocks before the next step (a transfer in flight is
@@ -23,13 +24,13 @@ Life cycle of a request (the queues are `decode_worker.scheduler.DecodeScheduler
 
 A continuation (a request moved here from a decode replica that went away, `DecodeChoice.decoded`)
 is an ordinary request whose KV covers the prompt and the tokens sent but the last: pulled like a
-prompt's, or prefilled here colocated, after which it samples nothing (its next token was sent) and
+prompt's, or prefilled here (without a handle), after which it samples nothing (its next token was sent) and
 runs, feeding the last sent token first.
 
 Choices (`DecodeRequest.choices`, one or more): one stream each, with sequence id
 ``{request_id}#{index}``, as a `decode_worker.choices.ChoiceGroup` whose head takes the prompt's KV
 and whose forks (any further choices) share it (`decode_worker.scheduler`); the worker
-makes their copies of a shared partial block when the KV is in and (colocated) samples each one's token 0.
+makes their copies of a shared partial block when the KV is in and (prefilled here) samples each one's token 0.
 
 Invariants: the scheduler, pool and streams are touched only on the event loop, except the sampler
 states of a step's rows, which only that step's model-thread call reads and records into; the model
@@ -44,6 +45,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import torch
 
@@ -52,6 +54,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.importer import KVImporter
 from decode_worker.local_prefill import LocalPrefill
 from decode_worker.scheduler import DecodeScheduler, SchedulerConfig, SchedulerOutput, SeqStatus
+from decode_worker.step_budget import StepBudget
 from decode_worker.stream import Stream
 from decode_worker.swap_space import HostSwapSpace
 from decode_worker.types import KV_LOST, DecodeRequest, TokenEvent
@@ -77,6 +80,9 @@ class DecodeWorker:
         replica_id: str = "decode",
     ) -> None:
         self.colocated = config.mode == "colocated"
+        # whether requests without a KV handle are prefilled here: always colocated; disaggregated,
+        # only where the router may send them (`router.prefill_path: auto`)
+        self.local_prefill = self.colocated or config.local_prefill
         if not self.colocated and importer is None:
             raise ValueError("a disaggregated decode worker needs a KV importer")
         self.engine = engine
@@ -96,6 +102,8 @@ class DecodeWorker:
         self.streams: dict[str, Stream] = {}  # by sequence id
         self.groups: dict[str, ChoiceGroup] = {}  # by request id, while any of its streams is live
         self.prefilling = LocalPrefill(config.prefill_chunk_size)  # admitted, KV still computed here
+        # the step-time fit of this replica's measured steps and, disaggregated, each step's LOCAL budget
+        self.budget = StepBudget(config.prefill_chunk_size, config.tpot_safety)
         # swapped-out KV waits in host memory allocated here, once (pinned on CUDA): `HostSwapSpace`
         self.swap_space = HostSwapSpace(engine.cache, config.max_swap_blocks)
         log.info("swap space: %d blocks, %.1f GiB of %s host memory", config.max_swap_blocks,
@@ -152,7 +160,29 @@ class DecodeWorker:
             step_seconds=self.step_seconds,
             step_sequences=self.step_sequences,
             step_cpu_seconds=self.step_cpu_seconds,
+            **self._path_load(),
         )
+
+    def _path_load(self) -> dict[str, Any]:
+        """What the router's path decision reads of this replica (`engine.load_report.LoadReport`): the
+        running streams' context and tightest TPOT objective, the prompt tokens still to prefill here
+        (admitted, and waiting without a KV handle), the step fit's coefficients."""
+        context, tpots, queued = 0, [], sum(self.prefilling.remaining())
+        for st in self.streams.values():
+            seq = self.scheduler.get(st.seq_id)
+            if seq is None:
+                continue
+            if seq.status is SeqStatus.RUNNING:
+                context += seq.num_tokens
+                if st.req.tpot_s is not None:
+                    tpots.append(st.req.tpot_s)
+            elif seq.status is SeqStatus.WAITING and st.req.handle is None and st.index == st.req.choices[0].index:
+                queued += len(st.req.kv_token_ids)
+        fit = self.budget.fit.model()
+        return {"running_context_tokens": context, "running_tpot_s": min(tpots, default=None),
+                "local_queue_tokens": queued,
+                "step_fit": None if fit is None else (fit.base_s, fit.per_seq_s, fit.per_context_token_s,
+                                                      fit.per_prefill_token_s)}
 
     def is_idle(self) -> bool:
         return not self.streams and not self.scheduler.has_work()
@@ -162,24 +192,26 @@ class DecodeWorker:
     def _admit(self, req: DecodeRequest, vocab: GrammarVocab | None = None) -> ChoiceGroup:
         n_prompt = len(req.prompt_token_ids)
         n_kv = len(req.kv_token_ids)  # a continuation's KV holds the tokens sent but the last, too
-        if self.colocated != (req.handle is None):
-            raise ValueError(
-                "colocated decode takes requests without a KV handle"
-                if self.colocated
-                else "disaggregated decode needs a KV handle (prefill first)"
-            )
+        local = req.handle is None  # prefilled here (colocated, or a LOCAL request of a disaggregated cluster)
+        if self.colocated and not local:
+            raise ValueError("colocated decode takes requests without a KV handle")
+        if local and not self.local_prefill:
+            raise ValueError("disaggregated decode needs a KV handle (prefill first): this replica prefills "
+                             "no request itself (decode_worker local_prefill is off: router.prefill_path 'remote')")
         self.engine.check_length(n_prompt, req.sampling.max_tokens)
-        if req.prompt_logprobs is not None and not self.colocated:
-            raise ValueError("prompt log-probs are computed by the prefill pool, not a disaggregated decode")
+        if req.prompt_logprobs is not None and not local:
+            raise ValueError("prompt log-probs are computed where the prompt is prefilled: a request whose KV "
+                             "is pulled takes them from the prefill pool")
         check_prompt_logprobs(req.prompt_logprobs)
         if req.request_id in self.groups:
             raise ValueError(f"request id {req.request_id!r} is already streaming")
         if self._queued_beyond_free_slots() >= self.config.max_queue:
             raise QueueFullError(f"decode queue is full ({self.config.max_queue} waiting)", 1.0)
-        if not self.colocated and any(c.first_token_id is None for c in req.choices):
-            raise ValueError("each choice needs its token 0 from the prefill (disaggregated)")
-        if self.colocated and len(req.choices) > 1 and any(c.first_token_id is not None for c in req.choices):
-            raise ValueError("colocated, choices carry no token 0 (a continuation, which does, is one choice alone)")
+        if not local and any(c.first_token_id is None for c in req.choices):
+            raise ValueError("each choice needs its token 0 from the prefill (a request with a KV handle)")
+        if local and len(req.choices) > 1 and any(c.first_token_id is not None for c in req.choices):
+            raise ValueError("prefilled here, choices carry no token 0 (a continuation, which does, is one "
+                             "choice alone)")
         if req.prompt_logprobs is not None and req.choices[0].first_token_id is not None:
             raise ValueError("a continuation takes no prompt log-probs (token 0 carried them)")
         if req.handle is not None and req.handle.n_tokens != n_kv:
@@ -257,7 +289,8 @@ class DecodeWorker:
         out = self.scheduler.schedule()
         self._execute_swaps_and_admissions(out)
         decode = [self.streams[s.seq_id] for s in out.decode if s.seq_id in self.streams]
-        chunks, prefill_groups = self.prefilling.plan(self.scheduler)
+        budget = self._local_budget(decode) if self.prefilling and not self.colocated else None
+        chunks, prefill_groups = self.prefilling.plan(self.scheduler, budget)
         prefill_streams = [g.head for g in prefill_groups]
         if not decode and not chunks:
             await self._loop.idle(1.0)
@@ -279,6 +312,7 @@ class DecodeWorker:
         self.num_steps += 1
         self.step_seconds += dt
         self.step_sequences += len(seqs)
+        self.budget.record(len(seqs), sum(q.position for q in seqs), sum(len(c.token_ids) for c in chunks), dt)
         if decode:
             self._after_decode(decode, sampled.rows(0, len(decode)))
         if chunks:
@@ -287,6 +321,13 @@ class DecodeWorker:
                 firsts[row] = sampled.rows(at, at + len(states))
                 at += len(states)
             self._after_prefill(prefill_groups, chunks, firsts, scored, dt)
+
+    def _local_budget(self, decode: list[Stream]) -> int:
+        """This step's LOCAL prefill tokens (disaggregated): `StepBudget.tokens` of the streams it decodes."""
+        seqs = [self.scheduler.get(st.seq_id) for st in decode]
+        context = sum(seq.num_tokens for seq in seqs if seq is not None)
+        tpot = min((st.req.tpot_s for st in decode if st.req.tpot_s is not None), default=None)
+        return self.budget.tokens(len(decode), context, tpot, sum(self.prefilling.remaining()))
 
     def _forward(
         self, seqs: list[DecodeSeq], chunks: list[PrefillChunk], asks: list[ScoreAsk | None],
@@ -333,7 +374,7 @@ class DecodeWorker:
             group = self.groups[self.streams[seq.seq_id].request_id]
             for st in group.streams:
                 st.admitted_at = time.monotonic()
-            if self.colocated:
+            if group.req.handle is None:  # prefilled here: colocated, or LOCAL in a disaggregated cluster
                 self.prefilling.add(group)
             else:
                 group.pull_task = asyncio.create_task(self._pull(group, list(seq.block_ids)))

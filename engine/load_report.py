@@ -52,6 +52,15 @@ class LoadReport:
     # with their source (each waited for a meeting inside its request: a source not met in time)
     kv_pairs: int = 0
     kv_pulls_unpaired: int = 0
+    # decode / colocated, now: what the path decision (`router.path_choice`) reads of a decode replica.
+    # The context its running streams attend to, the tightest TPOT objective among them (None: none
+    # has one), the prompt tokens still to prefill here (queued and in progress), and the replica's own
+    # step-time fit (`engine.step_model.StepTimeModel`'s four coefficients, `engine.step_fit`; None
+    # before it has one)
+    running_context_tokens: int = 0
+    running_tpot_s: float | None = None
+    local_queue_tokens: int = 0
+    step_fit: tuple[float, float, float, float] | None = None
 
     @property
     def kv_source(self) -> tuple[str, int] | None:

@@ -4,9 +4,11 @@ Owns: `grant_tokens`, the split of one forward's token budget among the admitted
 `wants_more`, the admission bound (admit while the admitted jobs cannot fill the budget).
 `prefill_worker.worker.PrefillWorker` admits jobs as KV blocks allow, in FIFO order (in `grant_order`'s
 when its jobs carry TTFT deadlines), then asks for the grants (budget ``max_batch_tokens``, cap
-``max_chunk_tokens``, the deadlines when there are any); a colocated
-`decode_worker.worker.DecodeWorker` asks for the grants of the prompts its scheduler admitted
-(budget and cap ``prefill_chunk_size``, or every prompt whole).
+``max_chunk_tokens``, the deadlines when there are any); a
+`decode_worker.worker.DecodeWorker` asks for the grants of the prompts it prefills itself (colocated,
+or LOCAL in a disaggregated cluster) that its scheduler admitted (cap ``prefill_chunk_size``, budget
+the same or, disaggregated, the step's token budget, `decode_worker.step_budget`; or every prompt
+whole), with their deadlines when there are any.
 
 Why a chunk cap: a forward's time grows with its tokens, and token 0 of every prompt in it waits for
 the whole forward. Without a cap a 2,000-token prompt takes the whole budget and every short prompt

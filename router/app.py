@@ -6,7 +6,8 @@ class (stateless; any number of replicas behind any load balancer).
 Per request: read the body (≤ ``max_body_bytes``, else 413) → auth (Bearer key, constant-time
 compare) → validate (400 in OpenAI's shape) → model name (404) → chat template + tokenize →
 context bound (400 ``context_length_exceeded``) → `Generation` (admission: 429 past
-``max_inflight_requests``; prefill, token 0 sent at once, decode stream relayed) → SSE chunks
+``max_inflight_requests``; the path, `router.path_choice`, disaggregated under ``prefill_path: auto``;
+REMOTE: prefill, token 0 sent at once, decode stream relayed; LOCAL: the decode stream alone) → SSE chunks
 ending in ``data: [DONE]``, or one JSON response.
 
 Readiness: ``/health`` says the process answers; ``/ready`` says to send traffic here. ``/ready`` is
@@ -68,6 +69,7 @@ from router.fields import FieldTables, account
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_format import DONE, ChatFormatter, CompletionFormatter, Formatter, sse
+from router.path_choice import PathChoice
 from router.prompt import chat_prompt, completion_prompt, echo_text, sampling_for
 from router.protocol import (
     ChatCompletionRequest,
@@ -157,8 +159,12 @@ class Router:
         self._backends = Backends(prefill_handle, decode_handle, config.prefill_timeout_s,
                                   config.token_timeout_s, config.ready_timeout_s)
         self._admission = Admission(config.max_inflight_requests)
+        choice = None
+        if prefill_handle is not None and config.prefill_path == "auto":
+            choice = PathChoice(config.path_policy, prefill_handle.deployment_name, decode_handle.deployment_name,
+                                self._metrics)
         self._generation = Generation(self._backends, self._codec, self._metrics, self._admission,
-                                      config.migration_limit)
+                                      config.migration_limit, choice)
         self._keys = tuple(k.encode() for k in config.api_keys)
         self._drain = DrainFlag(current_app_name())
         self._metrics.track_in_flight(lambda: self._admission.in_flight)

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 
 from engine.loading.bundled import DEFAULT_MODEL
 from engine.sampling.choices import MAX_CHOICES
+from engine.step_model import PRIOR
 from router.objectives import Objectives
+from router.path_policy import PathParams
+
+#: ``prefill_path`` values: ``auto`` decides per request (`router.path_choice`), ``remote`` always
+#: prefills in the prefill pool (the disaggregated behaviour before the per-request path)
+PREFILL_PATHS = ("auto", "remote")
 
 
 @dataclass(frozen=True)
@@ -33,10 +39,18 @@ class RouterConfig:
     migration_limit: int = 3  # times a choice's stream may move off a decode replica that went away (router.migration)
     max_choices: int = MAX_CHOICES  # n per request (the cluster: no more than a decode replica runs at once)
     objectives: Objectives = field(default_factory=Objectives)  # TTFT/TPOT per request class (empty: none)
+    prefill_path: str = "auto"  # disaggregated: "auto" (LOCAL or REMOTE per request) or "remote" (always)
+    # the path decision's knobs; ``step`` is only the model of a decode replica that has reported no fit
+    path_policy: PathParams = field(default_factory=lambda: PathParams(step=PRIOR))
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"router mode must be 'disaggregated' or 'colocated', got {self.mode!r}")
+        if self.prefill_path not in PREFILL_PATHS:
+            raise ValueError(f"prefill_path must be one of {PREFILL_PATHS}, got {self.prefill_path!r}")
+        if self.mode == "colocated" and self.prefill_path != "auto":
+            raise ValueError(f"prefill_path={self.prefill_path!r} needs mode 'disaggregated' (colocated, every "
+                             "prompt is prefilled on the decode replica)")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.max_inflight_requests is not None and self.max_inflight_requests < 1:

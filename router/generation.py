@@ -5,11 +5,13 @@ the tokens behind it, their log-probs, and at the end the finish reason) that th
 formats as OpenAI chunks or one response. It applies incremental detokenization, stop strings and
 the ``max_tokens`` bound, and records the request's metrics.
 
-Life cycle: [disaggregated] ``prefill`` → Delta(token 0) per choice → ``generate(choices with their
-token 0, handle)`` → Delta per event; [colocated] ``generate(choices, None)`` → Delta per event (each
-choice's first is its token 0).
-The prompt's log-probs, when asked, come with token 0 (from the prefill, or colocated with its
-event) and ride on token 0's Delta.
+Life cycle: [REMOTE: disaggregated, the path chosen per request by `router.path_choice` under
+``prefill_path: auto``, always under ``remote``] ``prefill`` → Delta(token 0) per choice →
+``generate(choices with their token 0, handle)`` → Delta per event; [LOCAL: colocated, or chosen
+per request] ``generate(choices, None)`` → Delta per event (each choice's first is its token 0,
+prefilled on the decode replica).
+The prompt's log-probs, when asked, come with token 0 (from the prefill, or on the LOCAL path with its
+event) and ride on token 0's Delta. The path taken is what attainment is counted under.
 A request finished by token 0 (EOS, ``max_tokens == 1``) never reaches the decode pool. If the
 decode pool cannot pull the prompt's KV (``error_code == KV_LOST``: the prefill replica died after
 answering, or the lease ran out in a queue) before any decode token, the prompt is prefilled once
@@ -59,6 +61,7 @@ from router.codec import TextCodec
 from router.lanes import Lane, Lanes
 from router.metrics import RouterMetrics
 from router.migration import DecodeLost, continuation, continuation_id, continuation_prefill
+from router.path_choice import PathChoice
 from router.path_policy import Path
 from router.request_objective import record_attainment
 from router.stops import StopMatcher
@@ -75,8 +78,12 @@ class Generation:
     """Streams one request (see the module docstring)."""
 
     def __init__(self, backends: Backends, codec: TextCodec, metrics: RouterMetrics,
-                 admission: Admission | None = None, migration_limit: int = 3) -> None:
+                 admission: Admission | None = None, migration_limit: int = 3,
+                 path_choice: PathChoice | None = None) -> None:
+        """``path_choice``: decides each request's path (disaggregated, ``prefill_path: auto``); None:
+        disaggregated requests always take the REMOTE path."""
         self._backends = backends
+        self._path_choice = path_choice
         self._migration_limit = migration_limit
         self._codec = codec
         self._metrics = metrics
@@ -90,10 +97,12 @@ class Generation:
             stop_ids |= frozenset(self._codec.eos_token_ids)
         self._admission.enter()  # 429 now, before any token, if this replica is at its bound
         lanes = Lanes(self._backends)
+        path = Path.LOCAL
         try:
-            firsts: dict[int, int | None] = dict.fromkeys(range(inp.n))  # choice → token 0 (colocated: None)
+            path = self._path(inp)
+            firsts: dict[int, int | None] = dict.fromkeys(range(inp.n))  # choice → token 0 (LOCAL: None)
             handle = None
-            if self._backends.disaggregated:
+            if path is Path.REMOTE:
                 result = await self._backends.prefill(self._prefill_request(inp, scored=True))
                 handle = result.handle
                 self._metrics.queue.observe(result.timings.queue_s)
@@ -116,7 +125,7 @@ class Generation:
                 lane, ev = await lanes.next()
                 if isinstance(ev, DecodeLost):
                     lanes.abandon(lane)
-                    for new in await self._migrate(inp, st, lane, ev):
+                    for new in await self._migrate(inp, st, lane, ev, path):
                         lanes.start(new)
                     continue
                 if isinstance(ev, Exception):
@@ -136,7 +145,7 @@ class Generation:
                     raise StreamError(ev.error or "the decode pool failed this request")
                 if ev.timings is not None and not st.timed:
                     st.timed = True
-                    self._record_timings(ev.timings)
+                    self._record_timings(ev.timings, path)
                 choice = st.choices[ev.index]
                 if choice.finish_reason is not None:
                     continue  # ended here (a stop string): the replica runs it until all end
@@ -144,7 +153,7 @@ class Generation:
                 delta = choice.advance(inp, stop_ids, ev.token_ids, _logprobs(ev),
                                       ev.top_logprobs or (), ev.finish_reason)
                 delta = dataclasses.replace(delta, index=ev.index)
-                if handle is None and st.first_sent is None:  # colocated: token 0's event
+                if handle is None and st.first_sent is None:  # LOCAL: token 0's event
                     delta = _with_prompt_logprobs(delta, inp, ev.prompt_logprobs)
                 yield self._sent(st, delta)
                 if st.finished:
@@ -156,12 +165,24 @@ class Generation:
         finally:
             lanes.close()  # client gone, decode refused or unreachable: streams cancelled, handles freed
             self._admission.leave()
-            self._finish(st, inp)
+            self._finish(st, inp, path)
 
-    async def _migrate(self, inp: GenerationInput, st: RequestState, lane: Lane, lost: DecodeLost) -> list[Lane]:
+    def _path(self, inp: GenerationInput) -> Path:
+        """Where this request's prompt is prefilled: colocated LOCAL; disaggregated REMOTE, or as the
+        path choice decides."""
+        if not self._backends.disaggregated:
+            return Path.LOCAL
+        if self._path_choice is None:
+            return Path.REMOTE
+        cls = inp.objective.cls if inp.objective is not None else None
+        return self._path_choice.choose(len(inp.prompt_token_ids), cls).path
+
+    async def _migrate(self, inp: GenerationInput, st: RequestState, lane: Lane, lost: DecodeLost,
+                       path: Path) -> list[Lane]:
         """``lane``'s decode replica went away: a continuation of each of its choices still going,
         each on its own (`router.migration`); a choice moved ``migration_limit`` times already fails
-        the request."""
+        the request. A continuation takes its request's path: REMOTE has the prefill pool rebuild its
+        KV, LOCAL has the decode replica that takes it prefill it (no handle)."""
         live = [i for i in lane.indices if st.choices[i].finish_reason is None]
         moved = max((st.choices[i].moves for i in live), default=0)
         if moved >= self._migration_limit:
@@ -175,12 +196,12 @@ class Generation:
             st.choices[i].moves += 1
             sent = tuple(st.choices[i].sent)
             rid = continuation_id(inp.request_id, st.choices[i].moves, i)
-            if not sent:  # colocated, before token 0: the choice as it was asked
+            if not sent:  # LOCAL, before token 0: the choice as it was asked
                 out.append(Lane(DecodeRequest(rid, inp.prompt_token_ids, inp.sampling, arrival_time=inp.arrival_time,
                                               choices=(DecodeChoice(i),), prompt_logprobs=inp.prompt_logprobs)))
                 continue
             handle, rebuild = None, None
-            if self._backends.disaggregated:
+            if path is Path.REMOTE:
                 rebuild = continuation_prefill(rid, inp.prompt_token_ids, sent, inp.arrival_time)
                 handle = await self._kv_for(rebuild, str(lost))
             self._metrics.migrated_tokens.inc(len(inp.prompt_token_ids) + len(sent) - 1)
@@ -200,11 +221,14 @@ class Generation:
     def _decode_request(inp: GenerationInput, st: RequestState, firsts: dict[int, int | None],
                         handle: KVHandle | None) -> DecodeRequest:
         """The decode call: the choices still going (at least one: a request every choice of which
-        ended at token 0 never gets here), each with its token 0 (colocated: None)."""
+        ended at token 0 never gets here), each with its token 0 (LOCAL: None)."""
         live = tuple(DecodeChoice(i, firsts[i]) for i, c in enumerate(st.choices) if c.finish_reason is None)
+        goal = inp.objective
         return DecodeRequest(request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids,
                              sampling=inp.sampling, choices=live, handle=handle, arrival_time=inp.arrival_time,
-                             prompt_logprobs=None if handle is not None else inp.prompt_logprobs)
+                             prompt_logprobs=None if handle is not None else inp.prompt_logprobs,
+                             ttft_deadline=goal.ttft_deadline if goal is not None else None,
+                             tpot_s=goal.cls.tpot_s if goal is not None else None)
 
     async def _prefill_again(self, lane: Lane, why: str) -> Lane:
         """The decode pool could not pull the lane's KV (its prefill replica died after answering,
@@ -232,14 +256,14 @@ class Generation:
         choice.last_sent = st.last_sent = now
         return delta
 
-    def _record_timings(self, t: DecodeTimings) -> None:
-        if not self._backends.disaggregated:
+    def _record_timings(self, t: DecodeTimings, path: Path) -> None:
+        if path is Path.LOCAL:
             self._metrics.queue.observe(t.queue_s)
             self._metrics.prefill.observe(t.prefill_s)
         else:
             self._metrics.kv_transfer.observe(t.transfer_s)
 
-    def _finish(self, st: RequestState, inp: GenerationInput) -> None:
+    def _finish(self, st: RequestState, inp: GenerationInput, path: Path) -> None:
         """Per request: prompt tokens once, every choice's tokens, TPOT over the longest choice (the
         choices advance together, a token each per step); success counted per choice that finished."""
         m = self._metrics
@@ -254,8 +278,7 @@ class Generation:
         longest = max(c.num_tokens for c in st.choices)
         if longest > 1:
             m.tpot.observe((end - st.first_sent) / (longest - 1))
-        record_attainment(m, inp.objective, Path.REMOTE if self._backends.disaggregated else Path.LOCAL,
-                          inp.arrival_mono, st.first_sent, end, longest)
+        record_attainment(m, inp.objective, path, inp.arrival_mono, st.first_sent, end, longest)
         for c in st.choices:
             if c.finish_reason is not None:
                 m.success.labels(finish_reason=c.finish_reason).inc()

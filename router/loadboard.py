@@ -40,4 +40,6 @@ def stats_to_report(replica_id: str, stats: Mapping[str, Any], role: str = "") -
                               "kv_blocks_free": 0, "kv_blocks_total": 0}
     values.update((k, v) for k, v in stats.items() if k in _FIELDS)
     values["replica_id"] = replica_id
+    if values.get("step_fit") is not None:  # a tuple may come back as a list from the controller
+        values["step_fit"] = tuple(values["step_fit"])
     return LoadReport(**values)

@@ -9,7 +9,7 @@ simulator (`cluster.planner.simulator`) calls for every simulated request.
 Why conditional disaggregation (Splitwise's and Dynamo's idea): a remote prefill pays the prefill
 pool's queue and a KV transfer; a short or mostly cached prompt costs the decode replica one small
 chunk between two steps, which its running streams absorb when the chunk is held under the per-step
-token budget (`router.step_model.step_token_budget`). Long prompts stay remote: prefilling them
+token budget (`engine.step_model.step_token_budget`). Long prompts stay remote: prefilling them
 locally would take many budgeted steps, and that is the interference disaggregation removes.
 
 The rule, in order (the first that applies):
@@ -33,8 +33,8 @@ import enum
 import math
 from dataclasses import dataclass
 
+from engine.step_model import TPOT_SAFETY, StepTimeModel, step_token_budget
 from router.objectives import SLOClass
-from router.step_model import StepTimeModel, step_token_budget
 
 
 class Path(enum.Enum):
@@ -83,7 +83,7 @@ class PathParams:
     max_chunk_tokens: int = 512  # the most prompt tokens one local step prefills
     short_prompt_tokens: int = 64  # uncached tokens at most this: a short prompt
     min_cached_fraction: float = 0.5  # cached share of the prompt from which LOCAL is preferred
-    tpot_safety: float = 0.9  # a step may take this share of the tightest TPOT objective
+    tpot_safety: float = TPOT_SAFETY  # a step may take this share of the tightest TPOT objective
 
     def __post_init__(self) -> None:
         if self.max_chunk_tokens < 1 or self.short_prompt_tokens < 0:

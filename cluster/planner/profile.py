@@ -5,14 +5,14 @@ Owns: `ReplicaProfile` (what one replica is: its hardware, model, KV capacity an
 the timed points: prefill forward seconds against prompt tokens, decode step seconds against batch
 and per-sequence context), its JSON form (``format: pdserve-profile/1``; unknown keys refused, named),
 `PrefillTimeModel`, and `fit`, which turns a profile into the models the simulator runs: a prefill
-forward's time, and the decode replica's `router.step_model.StepTimeModel` that the path decision
+forward's time, and the decode replica's `engine.step_model.StepTimeModel` that the path decision
 reads too.
 
 ``source`` says where the numbers come from (``measured`` by `pdserve profile`, ``roofline estimate``,
 ``published``): a plan from an estimate is a plan from an estimate, and the output says so.
 
 Why these fits: a prefill forward costs a fixed part, a per-token part (matmuls) and a per-token-pair
-part (causal attention); a decode step is linear in batch and total context (`router.step_model`).
+part (causal attention); a decode step is linear in batch and total context (`engine.step_model`).
 Coefficients are fitted by least squares held non-negative (a negative one is dropped and the rest
 refitted), so times never fall as work grows.
 """
@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from router.step_model import StepTimeModel
+from engine.step_model import StepTimeModel
 
 FORMAT = "pdserve-profile/1"
 Source = Literal["measured", "roofline estimate", "published"]

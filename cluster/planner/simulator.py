@@ -6,7 +6,7 @@ runs the code's own policies, imported, never restated: the decode replica choic
 (`router.policy.choose` over `LoadReport`s built from the simulated state), the path decision
 (`router.path_policy.decide`, estimates from `router.load_estimates`), the prefill order and the
 local chunks (`engine.prefill_planner.grant_tokens` with TTFT deadlines) under the per-step budget
-(`router.step_model.step_token_budget`), and each decode replica's admission, growth and preemption
+(`engine.step_model.step_token_budget`), and each decode replica's admission, growth and preemption
 (`decode_worker.scheduler.DecodeScheduler` over a real `engine.block_pool.BlockPool`).
 
 Life cycle of a simulated request: arrival → objective class (`Objectives.classify`) → decode replica
@@ -36,11 +36,11 @@ from decode_worker.scheduler import DecodeScheduler, SchedulerConfig
 from engine.block_pool import BlockPool
 from engine.load_report import LoadReport
 from engine.prefill_planner import grant_tokens
+from engine.step_model import step_token_budget
 from router.load_estimates import prefill_wait_s
 from router.objectives import Objectives
 from router.path_policy import Path, PathInputs, PathParams, decide
 from router.policy import choose
-from router.step_model import step_token_budget
 
 
 @dataclass(frozen=True)

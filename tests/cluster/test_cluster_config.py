@@ -35,6 +35,28 @@ def test_local_yaml() -> None:
     assert cfg.total_cpus() <= 2
 
 
+def test_prefill_path_reaches_the_router_and_the_decode_replicas() -> None:
+    """``auto`` (the default): the router decides with the YAML's knobs, decode replicas prefill LOCAL
+    requests up to ``max_chunk_tokens`` a step; ``remote``: neither; the always-remote bench layout
+    differs from the default one in that key alone."""
+    knobs = {"short_prompt_tokens": 40, "min_cached_fraction": 0.75, "tpot_safety": 0.8, "max_chunk_tokens": 96}
+    auto = ClusterConfig.from_args({"router": {"path_policy": knobs}}, NO_ENV)
+    r, d = auto.router_config(), auto.decode_worker_config()
+    assert r.prefill_path == "auto" and d.local_prefill and d.prefill_chunk_size == 96
+    p = r.path_policy
+    assert (p.short_prompt_tokens, p.min_cached_fraction, p.tpot_safety, p.max_chunk_tokens) == (40, 0.75, 0.8, 96)
+    assert d.engine.max_step_tokens == d.engine.max_num_seqs + 96
+    remote = ClusterConfig.from_args({"router": {"prefill_path": "remote"}}, NO_ENV)
+    assert remote.router_config().prefill_path == "remote" and not remote.decode_worker_config().local_prefill
+    assert remote.decode_worker_config().prefill_chunk_size == 0
+    assert ClusterConfig.from_yaml(DEPLOY / "local.yaml", NO_ENV).router.prefill_path == "auto"
+    bench = ClusterConfig.from_yaml(DEPLOY / "bench-disaggregated.yaml", NO_ENV)
+    bench_remote = ClusterConfig.from_yaml(DEPLOY / "bench-disaggregated-remote.yaml", NO_ENV)
+    assert bench.router.prefill_path == "auto" and bench_remote.router.prefill_path == "remote"
+    assert bench_remote.model_copy(update={"router": bench.router, "kv": bench.kv}) == bench.model_copy(
+        update={"kv": bench.kv})
+
+
 def test_n_is_bounded_by_what_a_decode_replica_runs_at_once() -> None:
     assert ClusterConfig.from_args({}, NO_ENV).router_config().max_choices == 16
     small = ClusterConfig.from_args({"decode": {"max_num_seqs": 4}}, NO_ENV)
@@ -115,7 +137,8 @@ def test_gpu_yaml() -> None:
     # the KV caches are sized from the budget, each pool profiling its largest step first
     assert p.engine.kv_cache_memory == d.engine.kv_cache_memory == 0.9
     assert p.engine.num_blocks is None and d.engine.num_blocks is None
-    assert p.engine.max_step_tokens == 8192 and d.engine.max_step_tokens == 256 and d.max_swap_blocks == 4096
+    # a decode step: its 256 sequences and a LOCAL prompt chunk (router.path_policy.max_chunk_tokens)
+    assert p.engine.max_step_tokens == 8192 and d.engine.max_step_tokens == 256 + 512 and d.max_swap_blocks == 4096
     # the budget holds back what the KV transfers stage through
     assert p.engine.reserved_memory == d.engine.reserved_memory == cfg.kv.max_inflight_bytes == 256 << 20
 
@@ -173,6 +196,12 @@ def test_random_secret_per_config_and_redaction() -> None:
     ({"decode": {"kv_cache_memory": 1.5}}, "decode.kv_cache_memory: kv_cache_memory=1.5: a fraction"),
     ({"engine": {"kv_cache_memroy": 0.9}}, "engine.kv_cache_memroy: unknown key (allowed: device"),
     ({"prefill": {"num_blocks": 0}}, "prefill.num_blocks"),
+    ({"router": {"prefill_path": "local"}}, "router.prefill_path"),
+    ({"mode": "colocated", "router": {"prefill_path": "remote"}}, "router.prefill_path='remote' needs mode"),
+    ({"mode": "colocated", "router": {"path_policy": {"short_prompt_tokens": 8}}}, "router.path_policy applies"),
+    ({"router": {"prefill_path": "remote", "path_policy": {"tpot_safety": 0.5}}}, "router.path_policy applies"),
+    ({"router": {"path_policy": {"tpot_safety": 1.5}}}, "router.path_policy.tpot_safety"),
+    ({"router": {"path_policy": {"max_chunk_tokenz": 5}}}, "router.path_policy.max_chunk_tokenz: unknown key"),
 ])
 def test_bad_configs_say_what_and_where(args: dict[str, object], needle: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -18,6 +18,7 @@ from engine.config import EngineConfig, fast_dtype
 from kv_transfer.config import KVTransferConfig
 from prefill_worker.config import PrefillWorkerConfig
 from router.config import RouterConfig
+from router.path_policy import PathParams
 
 NO_ENV = Environment()
 
@@ -42,7 +43,9 @@ def test_an_empty_yaml_builds_the_workers_default_configs() -> None:
     # (on a CPU without bf16 arithmetic, auto is fp32 too: no difference then); each pool's largest
     # step (profiled where a KV budget applies) is what its worker runs at most, and its KV budget
     # holds back the transfers' staging memory; a disaggregated decode replica watches the prefill
-    # deployment's KV sources (a bare DecodeWorkerConfig watches none)
+    # deployment's KV sources (a bare DecodeWorkerConfig watches none); with the per-request path
+    # (router.prefill_path: auto) it prefills LOCAL requests, router.path_policy.max_chunk_tokens a step
+    # beside its decode rows
     engine = {"engine.dtype": (fast_dtype("cpu"), "float32")} if fast_dtype("cpu") != "float32" else {}
     engine["engine.reserved_memory"] = (KVTransferConfig().max_inflight_bytes, 0)
     kv = {"kv.secret": (secret, "")}
@@ -50,8 +53,9 @@ def test_an_empty_yaml_builds_the_workers_default_configs() -> None:
         **engine, **kv, "engine.num_blocks": (PREFILL_CPU_BLOCKS, EngineConfig().num_blocks),
         "engine.max_step_tokens": (PrefillWorkerConfig().max_batch_tokens, None)}
     assert _differences(cfg.decode_worker_config(), DecodeWorkerConfig()) == {
-        **engine, **kv, "engine.max_step_tokens": (EngineConfig().max_num_seqs, None),
-        "prefill_deployment": (PREFILL_DEPLOYMENT, None)}
+        **engine, **kv, "engine.max_step_tokens": (EngineConfig().max_num_seqs + PathParams.max_chunk_tokens, None),
+        "prefill_deployment": (PREFILL_DEPLOYMENT, None), "local_prefill": (True, False),
+        "prefill_chunk_size": (PathParams.max_chunk_tokens, 0)}
 
 
 def test_an_empty_yaml_builds_the_routers_default_config() -> None:

@@ -50,6 +50,7 @@ def _args(mode: str) -> dict[str, Any]:
     }
     if mode == "disaggregated":
         args["prefill"] = dict(pool)
+        args["router"]["prefill_path"] = "remote"  # every prompt via the prefill replica (auto: test_path_choice_pd)
     else:
         args["decode"]["prefill_chunk_size"] = 64
     return args

@@ -1,4 +1,4 @@
-"""`router.path_policy`, `router.step_model` and `router.load_estimates`: the LOCAL/REMOTE decision,
+"""`router.path_policy`, `engine.step_model` and `router.load_estimates`: the LOCAL/REMOTE decision,
 the per-step token budget, and the estimates read from load reports (pure, no Ray)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import random
 import pytest
 
 from engine.load_report import LoadReport
+from engine.step_model import StepTimeModel, step_token_budget
 from router.load_estimates import observed_step, pool_prefill_rate, prefill_rate, prefill_wait_s
 from router.objectives import SLOClass
 from router.path_policy import Path, PathInputs, PathParams, Reason, decide, estimate
-from router.step_model import StepTimeModel, step_token_budget
 
 pytestmark = pytest.mark.timeout(30)
 

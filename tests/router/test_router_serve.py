@@ -65,7 +65,7 @@ def base() -> Iterator[str]:
         pd = Router.options(name="router").bind(
             _pool(FakePrefill, "prefill", 2, "prefix_affinity").bind(fake_cfg),
             _pool(FakeDecode, "decode", 1, "least_outstanding_tokens").bind(fake_cfg),
-            RouterConfig(api_keys=KEYS, **common), fake_codec)
+            RouterConfig(api_keys=KEYS, prefill_path="remote", **common), fake_codec)  # the fakes' prefill path
         serve.run(pd, name="pd", route_prefix="/pd")
         colo = Router.options(name="router").bind(
             None, _pool(FakeDecode, "decode", 1, "prefix_affinity").bind(fake_cfg),

@@ -1,14 +1,14 @@
 """Prefill and decode workers in one process over a tiny model, and the reference they must match.
 
-Owns: `make_pd` (a `PrefillWorker` and a `DecodeWorker` joined by an `InProcessImporter`, each with
-its own engine; `PD.running` starts both and stops them after, `PD.run` is one request through
-both, `PD.run_choices` one request of ``n`` choices), `decode_choices` (the choices a prefill
-result hands on to decode), `make_colocated` (a decode worker that prefills too), `reference` (the
-reference `generate()` every output is compared with), `random_prompt`, `workload` (staggered arrivals of
-random prompts), `collect` (a decode stream's tokens, finish reason and error), `collect_choices`
-(the same per choice index), `run_both_modes` (one batch of requests disaggregated, then
-colocated) and `wait_until`. The model and the reference engine are the
-session fixtures ``tiny_path`` / ``ref_engine`` of ``tests/conftest.py``.
+Owns: `make_pd` (a `PrefillWorker` and a `DecodeWorker` joined by an `InProcessImporter`, each with its
+own engine, the decode worker optionally prefilling handle-less requests itself; `PD.running` starts
+both and stops them after, `PD.run` is one request through both, `PD.run_choices` one request of ``n``
+choices), `decode_choices` (the choices a prefill result hands on to decode), `make_colocated` (a decode
+worker that prefills too), `reference` (the reference `generate()` every output is compared with),
+`random_prompt`, `workload` (staggered arrivals of random prompts), `collect` (a decode stream's tokens,
+finish reason and error), `collect_choices` (the same per choice index), `run_both_modes` (one batch of
+requests disaggregated, then colocated) and `wait_until`. The model and the reference engine are the session fixtures
+``tiny_path`` / ``ref_engine`` of ``tests/conftest.py``.
 """
 
 from __future__ import annotations
@@ -133,7 +133,11 @@ def make_pd(
     lease_s: float = 30.0,
     max_chunk_tokens: int | None = 512,
     stream_interval: int = 1,
+    local_prefill: bool = False,
+    local_chunk: int = 0,
 ) -> PD:
+    """``local_prefill``: the decode worker also prefills requests without a handle (the router's LOCAL
+    path), ``local_chunk`` tokens a step (0: whole)."""
     pe = Engine.from_dir(path, EngineConfig(num_blocks=prefill_blocks, block_size=16))
     de = Engine.from_dir(
         path,
@@ -147,7 +151,9 @@ def make_pd(
     )
     imp = InProcessImporter()
     imp.register(pw)
-    dw = DecodeWorker(de, DecodeWorkerConfig(stream_interval=stream_interval), importer=imp, eos_token_ids=(EOS,))
+    dcfg = DecodeWorkerConfig(stream_interval=stream_interval, local_prefill=local_prefill,
+                              prefill_chunk_size=local_chunk)
+    dw = DecodeWorker(de, dcfg, importer=imp, eos_token_ids=(EOS,))
     return PD(pw, dw, outbox)
 
 

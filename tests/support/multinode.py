@@ -25,7 +25,8 @@ KV_SECRET = "deploy-tests-kv-secret"  # fixed: a redeploy's new replicas must ta
 
 
 def app_args(model: Path, **decode: Any) -> dict[str, Any]:
-    """The tests' cluster config: every pool pinned to its node group."""
+    """The tests' cluster config: every pool pinned to its node group, every prompt prefilled in the
+    prefill pool (``router.prefill_path: remote``: the tests follow the KV from node to node)."""
     return {
         "model": str(model), "served_model_name": "tiny", "mode": "disaggregated",
         "engine": {"device": "cpu", "dtype": "float32", "block_size": 16, "num_threads": 1, "decode_attention": "sdpa"},
@@ -37,7 +38,7 @@ def app_args(model: Path, **decode: Any) -> dict[str, Any]:
                    "placement": {"resources": {"decode_node": 0.01}},
                    "drain": {"wait_loop_s": 0.2, "timeout_s": 60}, **decode},
         "router": {"num_cpus": 0.1, "placement": {"label_selector": {"pdserve.io/pool": "head"}},
-                   "drain": {"wait_loop_s": 0.2, "timeout_s": 60}},
+                   "drain": {"wait_loop_s": 0.2, "timeout_s": 60}, "prefill_path": "remote"},
         "kv": {"transport": "gloo", "host": "127.0.0.1", "timeout_s": 30},
         "limits": {"max_model_len": 4096, "token_timeout_s": 30},
     }

@@ -11,7 +11,7 @@ from typing import Any
 
 from cluster.planner.profile import DecodePoint, PrefillPoint, PrefillTimeModel, ReplicaProfile
 from cluster.planner.workload import WorkloadSpec
-from router.step_model import StepTimeModel
+from engine.step_model import StepTimeModel
 
 PREFILL = PrefillTimeModel(base_s=0.01, per_token_s=2e-4, per_pair_s=1e-8)
 STEP = StepTimeModel(base_s=0.02, per_seq_s=5e-4, per_context_token_s=2e-6, per_prefill_token_s=PREFILL.per_token_s)

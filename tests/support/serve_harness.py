@@ -34,7 +34,10 @@ FAKES_TOKEN_TIMEOUT_S = 1.5
 def cluster_args(model: str, *, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None,
                  kv: dict[str, Any] | None = None, limits: dict[str, Any] | None = None,
                  router: dict[str, Any] | None = None, mode: str = "disaggregated") -> dict[str, Any]:
-    """``args:`` for a small local app of ``model`` (fractional CPUs, one torch thread per replica)."""
+    """``args:`` for a small local app of ``model`` (fractional CPUs, one torch thread per replica).
+    Disaggregated, every prompt is prefilled in the prefill pool (``router.prefill_path: remote``)
+    unless ``router`` names a ``prefill_path``: the tests that follow a request through the prefill
+    replicas keep doing so whatever its length."""
     pool = {"num_replicas": 1, "num_cpus": 0.1, "num_blocks": 128, "max_num_seqs": 32}
     args: dict[str, Any] = {
         "model": model,
@@ -48,6 +51,7 @@ def cluster_args(model: str, *, prefill: dict[str, Any] | None = None, decode: d
     }
     if mode == "disaggregated":
         args["prefill"] = {**pool, **(prefill or {})}
+        args["router"].setdefault("prefill_path", "remote")
     return args
 
 

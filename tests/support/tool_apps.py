@@ -36,7 +36,8 @@ def tool_apps(serve_base: str, tiny: Path) -> Iterator[dict[str, str]]:
     fake = Router.options(name="router").bind(
         serve.deployment(FakePrefill).options(name="prefill", ray_actor_options={"num_cpus": 0.05}).bind(fake_cfg),
         serve.deployment(FakeDecode).options(name="decode", ray_actor_options={"num_cpus": 0.05}).bind(fake_cfg),
-        RouterConfig(served_model_name="tiny", model="unused", max_model_len=4096), fake_tool_codec)
+        RouterConfig(served_model_name="tiny", model="unused", max_model_len=4096, prefill_path="remote"),
+        fake_tool_codec)  # remote: the fakes' prefill is what these apps exercise
     with deploy(fake, "fake", serve_base) as fake_url, \
             deploy(compose_app(ClusterConfig.from_args(cluster_args(str(tiny)))), "tiny-pd", serve_base) as pd_url, \
             deploy(compose_app(ClusterConfig.from_args(cluster_args(str(tiny), mode="colocated"))),

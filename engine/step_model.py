@@ -8,8 +8,12 @@ running stream stays inside its TPOT objective.
 Why linear: a decode step reads every weight once (the fixed part), then does per-sequence work
 (sampling, a row of every matmul) and per-context-token work (reading KV); a prefill chunk in the same
 step adds matmul rows per token. Over the sizes one replica runs, those terms dominate; the capacity
-planner fits the coefficients to a measured profile (`cluster.planner.profile`) and the path decision
-(`router.path_policy`) reads the same object, so both judge a step alike.
+planner fits the coefficients to a measured profile (`cluster.planner.profile`), a decode replica
+to its own measured steps (`engine.step_fit`), and the path decision (`router.path_policy`) and the
+decode replica's local prefill budget read the same object, so all of them judge a step alike.
+`PRIOR` is the model assumed of a replica that has no fit yet: deliberately slow (a CPU-sized step,
+a costly prompt token), so that before any measurement the budget errs small and the decision errs
+towards the prefill pool.
 
 Why a budget per step, not per request: a stream's TPOT is the mean of its step times, so keeping
 every step inside the tightest running objective (times a safety factor for the model's error) keeps
@@ -51,8 +55,12 @@ class StepTimeModel:
                 + self.per_prefill_token_s * prefill_tokens)
 
 
+#: the share of the tightest running TPOT objective a step may take (the rest: the model's error)
+TPOT_SAFETY = 0.9
+
+
 def step_token_budget(model: StepTimeModel, batch: int, context_tokens: int, tpot_s: float | None,
-                      cap: int, safety: float = 0.9) -> int:
+                      cap: int, safety: float = TPOT_SAFETY) -> int:
     """Prompt tokens one step may prefill beside ``batch`` running streams (``context_tokens`` in all)
     so that the step stays within ``safety * tpot_s``, the tightest TPOT objective among them.
 
@@ -73,3 +81,8 @@ def step_token_budget(model: StepTimeModel, batch: int, context_tokens: int, tpo
     if model.per_prefill_token_s == 0:
         return cap
     return min(cap, math.floor(spare / model.per_prefill_token_s))
+
+
+#: a replica's step before it has measured enough of its own (see the module docstring): 50 ms a step,
+#: 2 ms a sequence, 1 µs a context token, 2 ms a prompt token
+PRIOR = StepTimeModel(base_s=0.05, per_seq_s=0.002, per_context_token_s=1e-6, per_prefill_token_s=0.002)
