@@ -204,6 +204,8 @@ def run(config: Path, minutes: int, users: int, rate: float, max_tokens: int | N
         wait_time = constant_throughput(rate / users)
 
     with ServerProcess(config, ready_timeout_s=900) as server:
+        # the leader of the server's session: every process it starts is in that session
+        server_pid = server.proc.pid if server.proc else None
         log(f"soak: {server.base_url} up ({config}); {users} users, {rate:g} req/s, {minutes} min, {PROFILE}")
         env = Environment(user_classes=[SoakUser], host=server.base_url)
         env.parsed_options = argparse.Namespace(profile=PROFILE, model=cfg.name, max_tokens=max_tokens or 0,
@@ -244,7 +246,8 @@ def run(config: Path, minutes: int, users: int, rate: float, max_tokens: int | N
     setup = {"description": f"{PROFILE} profile, {users} locust users at {rate:g} requests/s in total for "
                             f"{minutes} min; RSS of each replica sampled at the end of every minute; pass: 0 "
                             f"errors and RSS growth < {100 * RSS_GROWTH_LIMIT:g}% over minute 1",
-             "minutes": minutes, "users": users, "rate_rps": rate, "profile": PROFILE, "max_tokens": max_tokens}
+             "minutes": minutes, "users": users, "rate_rps": rate, "profile": PROFILE, "max_tokens": max_tokens,
+             "server_pid": server_pid}
     doc = result_doc("soak", setup, {"pdserve": yaml_config(config)}, results)
     write_result(out, doc, SOAK_SCHEMA)
     log(f"soak: {results['requests']} requests, {errors} errors, max RSS growth {max_growth}% → {out} "

@@ -6,13 +6,17 @@ outputs (`tests.support.soak_run`). To keep the package's wall time down, `start
 a package fixture when the package starts (only if this test was collected), so the soak's minute
 overlaps the other tests; this test, which runs last, waits for it. It checks the JSON the soak
 writes (zero errors, per-minute figures, the RSS of every replica, books whole at idle) and that no
-process of the server the soak started outlives it. Its RSS-growth check needs more than one minute
-to judge anything; `loadtests.soak.judge_rss` is unit-tested in tests/loadtests/test_soak_judgement.py.
+process of the server the soak started outlives it (the server runs in a session of its own, and every
+process Ray starts for it stays in that session; other tests' servers are in others). Its RSS-growth
+check needs more than one minute to judge anything; `loadtests.soak.judge_rss` is unit-tested in
+tests/loadtests/test_soak_judgement.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import jsonschema
@@ -44,13 +48,22 @@ def test_one_minute_soak_writes_its_report(background_soak: SoakRun | None, tiny
     assert r["idle_books"] and not any(r["idle_books"].values()), r["idle_books"]
     print(f"soak (1 min, tiny model, alongside the other tests): {r['requests']} requests, TTFT p99 "
           f"{minute['ttft_p99_ms']} ms, ITL p99 {minute['itl_p99_ms']} ms, RSS {minute['rss_mib']}")
-    leftovers = []
-    for p in psutil.process_iter():
-        if p.pid in run.before:
-            continue
-        try:
-            if "ServeReplica:pdserve" in " ".join(p.cmdline()) or "pdserve serve" in " ".join(p.cmdline()):
-                leftovers.append(p.pid)
-        except psutil.Error:
-            pass
+    # the server's processes are those of its session (it is started in a session of its own, and Ray's
+    # processes stay in the session of the process that started them); other tests' servers are not
+    server_sid = report["setup"]["server_pid"]
+    deadline = time.monotonic() + 10.0  # a process killed on the way out may take a moment to go
+    while (leftovers := _session(server_sid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert not leftovers, f"processes of the soak's server outlived it: {leftovers}"
+
+
+def _session(sid: int) -> list[tuple[int, str]]:
+    """(pid, command) of every live process in session ``sid``."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append((p.pid, " ".join(p.cmdline())[:80]))
+        except (psutil.Error, ProcessLookupError, PermissionError):
+            pass
+    return out
