@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from decode_worker.types import DecodeRequest, DecodeTimings, TokenEvent, merge_events
@@ -78,6 +79,24 @@ class Stream:
         while self.pending and taken[-1].finish_reason is None and taken[-1].token_ids and self.pending[0].token_ids:
             taken.append(self.pending.popleft())
         return taken[0] if len(taken) == 1 else merge_events(taken)
+
+    def accept(self, token_id: int, logprob: float, top: TopLogprobs, prompt_logprobs: PromptLogprobs | None,
+               eos_ids: Sequence[int]) -> str | None:
+        """A sampled token the grammar (if any) accepted: record it as the one fed next and push its
+        event; returns the finish reason it sets (an EOS or stop id or a complete grammar: "stop";
+        ``max_tokens`` reached: "length"), None while the stream goes on."""
+        if self.decode_started is None:
+            self.decode_started = time.monotonic()
+        self.generated.append(token_id)  # disaggregated streams start with token 0 from the prefill
+        self.next_token = token_id
+        params, grammar = self.req.sampling, self.sampler.grammar
+        reason = None
+        if params.is_stop(token_id, eos_ids) or (grammar is not None and grammar.done):
+            reason = "stop"
+        elif len(self.generated) >= params.max_tokens:
+            reason = "length"
+        self.push(token_id, logprob, reason, top, prompt_logprobs)
+        return reason
 
     def push(self, token_id: int, logprob: float, finish_reason: str | None = None,
              top: TopLogprobs = (), prompt_logprobs: PromptLogprobs | None = None) -> None:

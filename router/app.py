@@ -3,12 +3,12 @@
 Owns: the FastAPI ``app`` and `Router(prefill_handle, decode_handle, config)`, the Serve ingress
 class (stateless; any number of replicas behind any load balancer).
 
-Per request: read the body (≤ ``max_body_bytes``, else 413) → auth (Bearer key, constant-time
-compare) → validate (400 in OpenAI's shape) → model name (404) → chat template + tokenize →
-context bound (400 ``context_length_exceeded``) → `Generation` (admission: 429 past
-``max_inflight_requests``; the path, `router.path_choice`, disaggregated under ``prefill_path: auto``;
-REMOTE: prefill, token 0 sent at once, decode stream relayed; LOCAL: the decode stream alone) → SSE chunks
-ending in ``data: [DONE]``, or one JSON response.
+Per request: auth (Bearer key, constant-time compare) → the body (`router.request_body`: ≤
+``max_body_bytes``, else 413; every field accounted for; validated, 400 in OpenAI's shape; model name,
+404) → chat template + tokenize → context bound (400 ``context_length_exceeded``) → `Generation`
+(`router.reply`: admission, 429 past ``max_inflight_requests``; the path, `router.path_choice`,
+disaggregated under ``prefill_path: auto``; REMOTE: prefill, token 0 sent at once, decode stream
+relayed; LOCAL: the decode stream alone) → SSE chunks ending in ``data: [DONE]``, or one JSON response.
 
 Readiness: ``/health`` says the process answers; ``/ready`` says to send traffic here. ``/ready`` is
 503 while the app's drain flag is set (`router.drain`) — the first thing a drain changes, so a load
@@ -24,26 +24,23 @@ accounting and validation.
 Errors are raised as `router.errors.APIError` and answered by the app's exception handlers
 (`install_handlers`), so no endpoint formats one itself.
 
-Invariants: errors before the first token get their real status (429 with Retry-After, 503, …);
-after it, a stream ends with ``data: {"error": …}`` then ``data: [DONE]``; a client that goes away
-mid-stream cancels the decode stream (the generator is closed, which cancels the Serve stream).
+Invariants: every key is compared, with no early exit (the time taken says nothing of the keys);
+public paths are matched without Serve's route prefix; errors before the first token get their real
+status, after it a stream ends in an error event (`router.reply`).
 """
 
 # No ``from __future__ import annotations`` here: Serve ships the ingress class by value, cloudpickle
 # keeps only the globals a function's code uses, and FastAPI resolves string annotations (``Request``)
 # from those globals, so postponed annotations would turn ``request: Request`` into a query parameter.
 
-import dataclasses
 import hmac
-import json
-import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from ray import serve
 
 from engine.sampling.grammar import GrammarSpec
@@ -52,25 +49,13 @@ from router.backends import Backends
 from router.codec import TextCodec, load_codec
 from router.config import RouterConfig
 from router.drain import DrainFlag, current_app_name
-from router.errors import (
-    APIError,
-    bad_request,
-    body_too_large,
-    draining,
-    from_exception,
-    from_validation_errors,
-    install_handlers,
-    model_not_found,
-    not_stored,
-    unauthorized,
-    unavailable,
-)
-from router.fields import FieldTables, account
-from router.generation import Delta, Generation, GenerationInput, StreamError
+from router.errors import bad_request, draining, install_handlers, not_stored, unauthorized, unavailable
+from router.fields import FieldTables
+from router.generation import Generation
 from router.metrics import CONTENT_TYPE, RouterMetrics
-from router.openai_format import DONE, ChatFormatter, CompletionFormatter, Formatter, sse
+from router.openai_format import ChatFormatter, CompletionFormatter, Formatter
 from router.path_choice import PathChoice
-from router.prompt import chat_prompt, completion_prompt, echo_text, sampling_for
+from router.prompt import chat_prompt, completion_prompt, echo_text
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -78,8 +63,8 @@ from router.protocol import (
     ModelCard,
     ModelList,
 )
-from router.request_objective import objective_for
-from router.response_format import check_grammar
+from router.reply import SSE_HEADERS, Replies, stream_error
+from router.request_body import parse_body, route_path, tokenize_kind
 from router.responses.convert import to_chat
 from router.responses.fields import IGNORED as RESPONSES_IGNORED
 from router.responses.fields import REFUSED as RESPONSES_REFUSED
@@ -87,17 +72,9 @@ from router.responses.objects import new_response
 from router.responses.relay import stream_events, whole_response
 from router.responses.request import ResponsesRequest
 from router.responses.writer import ResponseWriter
-from router.tokenize import (
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    detokenize,
-    tokenize,
-)
+from router.tokenize import DetokenizeRequest, detokenize, tokenize
 from router.tool_stream import ToolCallStream
 from router.tools import ToolPlan, plan_tools, tool_grammar
-
-logger = logging.getLogger("pdserve.router")
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
 install_handlers(app)
@@ -106,41 +83,6 @@ _FALLBACK_MAX_MODEL_LEN = 2048
 
 R = TypeVar("R", bound=GenerationRequest)
 M = TypeVar("M", bound=BaseModel)
-
-
-def _tokenize_kind(payload: Any) -> type[TokenizeCompletionRequest | TokenizeChatRequest]:
-    """vLLM's two ``/tokenize`` bodies: chat-style when it has ``messages``."""
-    chat = isinstance(payload, dict) and "messages" in payload
-    return TokenizeChatRequest if chat else TokenizeCompletionRequest
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 413 past ``limit`` bytes (checked as it streams in), 400 if not JSON."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise body_too_large(limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise body_too_large(limit)
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"The request body is not valid JSON: {e}") from None
-
-
-def _route_path(request: Request) -> str:
-    """The path as the app sees it, without Serve's route prefix (``/pd/health`` → ``/health``)."""
-    path: str = request.scope.get("path", "")
-    root: str = request.scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
-
-
-def stream_error(exc: BaseException) -> APIError:
-    if isinstance(exc, StreamError):
-        return APIError(500, str(exc), type="server_error", code="stream_error")
-    return from_exception(exc)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=1000)
@@ -165,13 +107,14 @@ class Router:
                                 self._metrics)
         self._generation = Generation(self._backends, self._codec, self._metrics, self._admission,
                                       config.migration_limit, choice)
+        self._replies = Replies(config, self._codec, self._max_model_len, self._generation)
         self._keys = tuple(k.encode() for k in config.api_keys)
         self._drain = DrainFlag(current_app_name())
         self._metrics.track_in_flight(lambda: self._admission.in_flight)
 
     # ---- guards ----
     def _authorize(self, request: Request) -> None:
-        if not self._keys or _route_path(request) in self._config.public_paths:
+        if not self._keys or route_path(request) in self._config.public_paths:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
@@ -188,18 +131,7 @@ class Router:
         the body names one). ``pick``: the request model for this body; ``fields``: the endpoint's
         refused and ignored fields (default: chat's and completions')."""
         self._authorize(request)
-        payload = await read_json(request, self._config.max_body_bytes)
-        model = pick(payload)
-        refused_fields, ignored_fields = fields or (None, None)
-        account(payload, frozenset(model.model_fields), refused_fields, ignored_fields)
-        try:
-            req = model.model_validate(payload)
-        except ValidationError as e:
-            raise from_validation_errors(e.errors()) from None
-        name = getattr(req, "model", None)
-        if name is not None and name != self._config.served_model_name:
-            raise model_not_found(name)
-        return req
+        return await parse_body(request, pick, self._config.max_body_bytes, self._config.served_model_name, fields)
 
     async def _parse(self, request: Request, model: type[R]) -> R:
         return await self._validate(request, lambda _: model)
@@ -246,10 +178,10 @@ class Router:
         writer = ResponseWriter(skeleton, ChatFormatter(
             model=req.model, codec=self._codec, prompt_tokens=len(prompt), logprobs=False, id=skeleton.id,
             tools=ToolCallStream(tools) if tools.reads_calls else None))
-        first, deltas = await self._start(prompt, chat, writer.formatter, None, grammar)
+        first, deltas = await self._replies.start(prompt, chat, writer.formatter, None, grammar)
         if chat.stream:
             return StreamingResponse(stream_events(first, deltas, writer, stream_error), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers=SSE_HEADERS)
         return JSONResponse((await whole_response(first, deltas, writer, stream_error)).model_dump())
 
     @app.get("/v1/responses/{response_id}")
@@ -258,76 +190,18 @@ class Router:
         self._authorize(request)
         raise not_stored(response_id)
 
-    async def _start(self, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
-                     prompt_logprobs: int | None, grammar: GrammarSpec | None = None
-                     ) -> tuple[Delta, AsyncGenerator[Delta, None]]:
-        """The request's generation, started: its first Delta and the rest. ``grammar``: a forced tool
-        call's (already checked), in place of ``response_format``'s. An error before the first token
-        is raised as the `APIError` the client gets (429, 503, ...)."""
-        arrival_mono, arrival_time = time.perf_counter(), time.time()
-        objective = objective_for(self._config.objectives, len(prompt), req.slo_class, arrival_time)
-        sampling = sampling_for(req, len(prompt), self._max_model_len, self._config.default_max_tokens,
-                                self._codec.eos_token_ids, fmt.logprobs, self._codec.vocab_size, fmt.top_logprobs,
-                                self._codec.sampling_defaults)
-        if grammar is not None:
-            sampling = dataclasses.replace(sampling, grammar=grammar)
-        else:
-            await check_grammar(sampling.grammar, self._codec)
-        inp = GenerationInput(request_id=fmt.id, prompt_token_ids=prompt, sampling=sampling,
-                              stop_strings=req.stop_strings, include_stop_str=req.include_stop_str_in_output,
-                              skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
-                              arrival_time=arrival_time, arrival_mono=arrival_mono, n=req.n, objective=objective)
-        deltas = self._generation.stream(inp)
-        try:
-            first = await deltas.__anext__()
-        except StopAsyncIteration:
-            raise stream_error(StreamError("the generation produced no tokens")) from None
-        except Exception as e:
-            await deltas.aclose()
-            raise stream_error(e) from None
-        return first, deltas
-
     async def _run(self, stream: bool, prompt: tuple[int, ...], req: GenerationRequest, fmt: Formatter,
                    prompt_logprobs: int | None, grammar: GrammarSpec | None = None) -> Response:
         """A completion or chat completion: SSE chunks ending in ``[DONE]``, or one JSON response."""
         if req.n > self._config.max_choices:  # a decode replica runs every choice of a request at once
             raise bad_request(f"n: at most {self._config.max_choices} choices per request are served", param="n")
-        first, deltas = await self._start(prompt, req, fmt, prompt_logprobs, grammar)
-        if stream:
-            return StreamingResponse(self._sse(first, deltas, fmt), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            fmt.add(first)
-            async for delta in deltas:
-                fmt.add(delta)
-        except Exception as e:
-            return stream_error(e).response()
-        finally:
-            await deltas.aclose()
-        return JSONResponse(fmt.response().model_dump())
-
-    async def _sse(
-        self, first: Delta, deltas: AsyncGenerator[Delta, None], fmt: Formatter
-    ) -> AsyncIterator[str]:
-        try:
-            try:
-                yield sse(fmt.chunk(first))
-                async for delta in deltas:
-                    yield sse(fmt.chunk(delta))
-                if fmt.include_usage:
-                    yield sse(fmt.usage_chunk())
-            except Exception as e:
-                err = stream_error(e)
-                logger.warning("stream %s failed after its first token: %s", fmt.id, err.message)
-                yield sse(err.body())
-            yield DONE
-        finally:
-            await deltas.aclose()
+        first, deltas = await self._replies.start(prompt, req, fmt, prompt_logprobs, grammar)
+        return await self._replies.answer(stream, first, deltas, fmt)
 
     # ---- vLLM's tokenizer endpoints ----
     @app.post("/tokenize")
     async def post_tokenize(self, request: Request) -> Response:
-        req = await self._validate(request, _tokenize_kind)
+        req = await self._validate(request, tokenize_kind)
         return JSONResponse(tokenize(req, self._codec, self._max_model_len).model_dump())
 
     @app.post("/detokenize")

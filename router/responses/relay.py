@@ -2,7 +2,7 @@
 
 Owns: `stream_events` (the ``text/event-stream`` body: ``event: <type>`` and ``data: <json>`` per
 event of the `ResponseWriter`, no ``[DONE]``, as OpenAI's) and `whole_response` (the Deltas read to
-the end, the final Response). The app starts the generation (`router.app.Router._start`: errors
+the end, the final Response). The app starts the generation (`router.reply.Replies.start`: errors
 before the first token are the request's status) and hands both the first Delta and the rest.
 
 Invariants: the decode stream is closed whatever happens (end, error, or a client that left: the

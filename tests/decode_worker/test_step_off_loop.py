@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import decode_worker.worker as decode_module
+import decode_worker.step_forward as decode_module
 from decode_worker.types import DecodeRequest
 from engine.engine import Engine
 from engine.sampling.sampler import SamplingParams

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from engine.sampling.sampler import SamplingParams
-from router.app import stream_error
 from router.backends import Backends
 from router.errors import APIError
 from router.generation import Generation, GenerationInput
 from router.metrics import RouterMetrics
 from router.openai_format import ChatFormatter
+from router.reply import stream_error
 from router.responses.objects import new_response
 from router.responses.relay import stream_events, whole_response
 from router.responses.request import ResponsesRequest
