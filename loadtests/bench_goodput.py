@@ -30,6 +30,7 @@ import httpx
 
 from loadtests.bench_common import (
     MODEL,
+    REPO,
     RESULTS,
     fill_stream,
     log,
@@ -208,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--slo-ms", default=None, help="CHAT_TTFT,LONG_TTFT,TPOT objectives in ms (skips the baseline)")
     p.add_argument("--baseline-server", default="remote", help="where the lone requests run (default: remote)")
     p.add_argument("--slo-scale", type=float, default=3.0, help="objectives = this × the lone baseline")
-    p.add_argument("--dtype", default="auto", help="every pdserve server's engine dtype ('yaml': as each says)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "yaml"),
+                   help="every pdserve server's engine dtype (yaml: as each YAML says)")
     p.add_argument("--vllm-venv", type=Path, default=VLLM_VENV)
     p.add_argument("--note", default="", help="appended to setup.description (e.g. what else was running)")
     p.add_argument("--out", type=Path, default=RESULTS / "goodput.json")
@@ -222,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         given = _slo_given(args.slo_ms) if args.slo_ms else None
     except ValueError as e:
         p.error(str(e))
+    needed = [*specs, *([] if given else [base])]
+    missing = sorted({f"{s.name} ({s.config})" for s in needed if s.config and not (REPO / s.config).exists()})
+    if missing:  # refused before an hour of other servers, not when the sweep reaches them
+        p.error(f"no YAML for {', '.join(missing)}; leave them out with --servers / --baseline-server")
     dtype = None if args.dtype == "yaml" else args.dtype
     info = machine()
     baseline: Baseline | None = None
