@@ -274,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_result(args.out, doc, INTERFERENCE_SCHEMA)
     plot(doc, args.out.with_suffix(".png"))
     for t in doc["results"]["targets"]:
-        log(f"target {t['name']}: {t['value']} (threshold {t['threshold']}) → {'met' if t['met'] else 'MISSED'}")
+        verdict = "n/a (a mode or phase without the figure)" if t["met"] is None else "met" if t["met"] else "MISSED"
+        log(f"target {t['name']}: {t['value']} (threshold {t['threshold']}) → {verdict}")
     log(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
