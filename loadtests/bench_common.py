@@ -293,16 +293,20 @@ def metric_totals(base_url: str, names: Sequence[str]) -> dict[str, float] | Non
     return totals
 
 
-def load_gauges(base_url: str) -> float:
+PDSERVE_LOAD_GAUGES = ("pdserve:num_requests_running", "pdserve:num_requests_waiting")
+
+
+def load_gauges(base_url: str, names: Sequence[str] = PDSERVE_LOAD_GAUGES) -> float:
     """Requests running + waiting on every replica, from ``/metrics`` (0 when idle)."""
-    totals = metric_totals(base_url, ["pdserve:num_requests_running", "pdserve:num_requests_waiting"])
+    totals = metric_totals(base_url, names)
     return sum(totals.values()) if totals else 0.0
 
 
-async def wait_idle(base_url: str, timeout_s: float = 30.0) -> bool:
+async def wait_idle(base_url: str, timeout_s: float = 30.0, names: Sequence[str] = PDSERVE_LOAD_GAUGES) -> bool:
+    """True once the load gauges ``names`` (another server's, e.g. vLLM's) read 0; False at the timeout."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if await asyncio.to_thread(load_gauges, base_url) == 0:
+        if await asyncio.to_thread(load_gauges, base_url, names) == 0:
             return True
         await asyncio.sleep(1.0)
     return False

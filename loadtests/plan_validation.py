@@ -1,54 +1,55 @@
-"""The capacity planner checked against a measured goodput sweep: predicted vs measured attainment per rate.
+"""`make bench-plan-validation`: the capacity planner's predicted attainment against the measured one.
 
-Owns `validate`: reads a `make bench-goodput` result (its SLOs, and for one mode every request's kind and
-send time at each rate), replays those very arrivals through `cluster.planner.simulator.simulate` on a
-measured profile (`pdserve profile`) with the mode's own cluster shape (read from its Serve YAML), and
-reports both attainments side by side; `main` writes ``results/plan_validation.json``. The target is
-the predicted attainment within ``tolerance`` (10 points) of the measured one at every rate.
+Owns the validation, in four steps on one quiet machine: (1) measure attainment at three offered rates
+on one server with the goodput benchmark itself (``loadtests.bench_goodput``: same client, schedule and
+objectives); (2) profile this machine (``pdserve profile`` with the YAML the server ran); (3) run ``pdserve plan``
+for the benchmark's workload and objectives at those rates (its best split per rate, for reading); (4)
+`validate`: replay the very arrivals each rate sent through `cluster.planner.simulator.simulate` on that
+profile with the server's own shape (`shape`) and report predicted beside measured, and the difference
+in points. Writes ``results/plan_validation.json``; the target is every rate within ``tolerance``
+(10 points).
 
-Run on a quiet machine, after the sweep (both need the same machine, idle)::
-
-    pdserve profile --config deploy/bench-disaggregated.yaml --out results/profile_local.json
-    make bench-goodput
-    python -m loadtests.plan_validation --profile results/profile_local.json --mode disaggregated
-
-Kinds map to `loadtests.profiles.PROFILES` (prompt tokens with the chat template's, output tokens = the
-kind's ``max_tokens``); the objectives are the sweep's: TTFT per kind, one TPOT, as two classes by length.
-The mode's shape: its prefill and decode replica counts and chunking; the path decision is off for a
-mode that does not run it (every shipped one today). Pure beyond the file reads: no Ray, no model.
+Invariants: the simulated requests are the measured ones (kind → the profile's prompt and output
+tokens, the chat template included once; send times as sent); the objectives are the sweep's, as the
+server ran them (`loadtests.goodput_results.SLO.objectives_section`); the simulated shape is the YAML's
+(replica counts, chunking, and the path decision on only for a server whose prefill path is ``auto``).
+`validate`, `shape`, `arrivals` and `workload_spec` are pure; `main` runs the subprocesses.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from cluster.config import ClusterConfig
 from cluster.planner.profile import ReplicaProfile, fit
 from cluster.planner.simulator import Shape, simulate
 from cluster.planner.workload import Arrival
-from loadtests.profiles import CHAT_TEMPLATE_TOKENS, PROFILES
-from router.objectives import Objectives, SLOClass
+from cluster.sections import ObjectivesSection
+from loadtests.bench_common import REPO, RESULTS, log
+from loadtests.goodput_results import SLO
+from loadtests.goodput_servers import SERVERS
+from loadtests.profiles import get_profile
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def objectives(slo: Mapping[str, Any]) -> Objectives:
-    """The sweep's SLOs as classes: chat up to its prompt length, long the catch-all."""
-    chat = PROFILES["chat"].workloads[0][0]
-    tpot_s = float(slo["tpot_ms"]) / 1e3
-    return Objectives((SLOClass("chat", float(slo["ttft_ms"]["chat"]) / 1e3, tpot_s,
-                                max_prompt_tokens=chat.prompt_tokens + CHAT_TEMPLATE_TOKENS),
-                       SLOClass("long", float(slo["ttft_ms"]["long"]) / 1e3, tpot_s)))
+DEFAULT_RATES = (0.25, 0.5, 0.7)
+SMOKE_PROFILE_SIZES = ["--prefill", "16,64,256", "--batches", "1,4", "--contexts", "64,256", "--repeats", "1"]
 
 
-def shape(cfg: ClusterConfig, conditional: bool = False) -> Shape:
-    """The simulated shape of a cluster config as it runs today: a colocated one prefills its fixed chunk
-    a step, oldest first; a disaggregated one sends every prompt to the prefill pool."""
+def slo_of(goodput: Mapping[str, Any]) -> SLO:
+    s = goodput["results"]["slo"]
+    return SLO(float(s["ttft_ms"]["chat"]), float(s["ttft_ms"]["long"]), float(s["tpot_ms"]), s["reason"])
+
+
+def shape(cfg: ClusterConfig, conditional: bool) -> Shape:
+    """The simulated shape of a cluster config: a colocated one prefills its fixed chunk a step, oldest
+    first; a disaggregated one has its prefill pool, and the path decision only when ``conditional``."""
     if not cfg.disaggregated:
         chunk = cfg.decode.prefill_chunk_size or (cfg.limits.max_model_len or 1 << 20)
         return Shape(0, cfg.decode.num_replicas, chunk_tokens=chunk, prefill_batch_tokens=chunk, tpot_budget=False)
@@ -57,51 +58,91 @@ def shape(cfg: ClusterConfig, conditional: bool = False) -> Shape:
                  prefill_batch_tokens=p.max_batch_tokens, conditional=conditional)
 
 
-def arrivals(samples: Sequence[Sequence[Any]]) -> list[Arrival]:
-    """The sweep's requests at one rate (``[kind, sent_s, ...]`` each) as the planner's arrivals."""
-    kinds = {w.name: w for w, _ in PROFILES["mixed"].workloads}
-    return [Arrival(float(s[1]), kinds[s[0]].prompt_tokens + CHAT_TEMPLATE_TOKENS, kinds[s[0]].max_tokens)
+def arrivals(samples: Sequence[Sequence[Any]], profile: str) -> list[Arrival]:
+    """One rate's requests (``[kind, sent_s, ...]`` each) as the planner's arrivals; a kind's prompt
+    tokens already count the chat template (`loadtests.profiles`)."""
+    kinds = {w.name: w for w, _ in get_profile(profile).workloads}
+    return [Arrival(float(s[1]), kinds[s[0]].prompt_tokens, kinds[s[0]].max_tokens)
             for s in sorted(samples, key=lambda s: float(s[1]))]
 
 
-def validate(goodput: Mapping[str, Any], mode: str, profile: ReplicaProfile, cfg: ClusterConfig,
-             tolerance: float = 0.10) -> dict[str, Any]:
+def workload_spec(slo: SLO, profile: str, duration_s: float = 60.0, seed: int = 0) -> dict[str, Any]:
+    """The benchmark's workload and objectives as a ``pdserve plan`` workload file (`cluster.planner.workload`)."""
+    mix = [{"share": wt, "prompt": {"fixed": w.prompt_tokens}, "output": {"fixed": w.max_tokens}}
+           for w, wt in get_profile(profile).workloads]
+    return {"objectives": slo.objectives_section(profile), "duration_s": duration_s, "seed": seed, "mix": mix}
+
+
+def validate(goodput: Mapping[str, Any], server: str, profile: ReplicaProfile, cfg: ClusterConfig,
+             conditional: bool, tolerance: float = 0.10) -> dict[str, Any]:
     fp = fit(profile)
-    obj = objectives(goodput["results"]["slo"])
-    sh = shape(cfg)
+    slo = slo_of(goodput)
+    workload = goodput["setup"]["sweep"]["profile"]
+    obj = ObjectivesSection.model_validate(slo.objectives_section(workload)).build()
+    sh = shape(cfg, conditional)
     rows = []
-    for run in goodput["results"]["modes"][mode]["rates"]:
-        if len(run["samples"]) < 2:
+    for run in goodput["results"]["servers"][server]["rates"]:
+        if not run["samples"]:
             continue
-        predicted = simulate(fp, sh, arrivals(run["samples"]), obj, warmup_fraction=0.0).attainment
+        predicted = simulate(fp, sh, arrivals(run["samples"], workload), obj, warmup_fraction=0.0).attainment
         rows.append({"rate": run["rate_rps"], "requests": len(run["samples"]), "measured": run["attainment"],
                      "predicted": round(predicted, 4), "diff_points": round(100 * (predicted - run["attainment"]), 1)})
-    return {"benchmark": "plan_validation", "mode": mode, "goodput_created": goodput.get("created"),
+    return {"server": server, "goodput_created": goodput.get("created"), "slo": slo.as_json(),
             "profile": {"label": profile.label, "source": profile.source, "hardware": profile.hardware},
-            "shape": vars(sh), "tolerance_points": 100 * tolerance, "rates": rows,
+            "shape": vars(sh), "tolerance_points": round(100 * tolerance, 3), "rates": rows,
             "within_tolerance": bool(rows) and all(abs(r["diff_points"]) <= 100 * tolerance for r in rows)}
+
+
+def _run(cmd: list[str]) -> None:
+    log("$ " + " ".join(cmd))
+    subprocess.run(cmd, cwd=REPO, check=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--profile", required=True, help="a measured profile of this machine (pdserve profile)")
-    ap.add_argument("--goodput", default=str(REPO / "results/goodput.json"))
-    ap.add_argument("--mode", default="disaggregated", help="a mode of the sweep")
-    ap.add_argument("--config", default=None, help="the mode's Serve YAML (default deploy/bench-<mode>.yaml)")
-    ap.add_argument("--out", default=str(REPO / "results/plan_validation.json"))
+    ap.add_argument("--server", default="default", help="a pdserve server of the goodput benchmark")
+    ap.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES), help="three rates (requests/s)")
+    ap.add_argument("--smoke", action="store_true", help="a few seconds per rate and a small profile")
+    ap.add_argument("--goodput-args", default="",
+                    help="more arguments for bench_goodput (e.g. '--slo-ms 900,9000,150')")
+    ap.add_argument("--profile", default=None, help="a profile JSON to use instead of measuring one")
+    ap.add_argument("--out", type=Path, default=RESULTS / "plan_validation.json")
     args = ap.parse_args(argv)
-    goodput = json.loads(Path(args.goodput).read_text())
-    if args.mode not in goodput["results"]["modes"]:
-        print(f"mode {args.mode!r} not in {args.goodput}: {sorted(goodput['results']['modes'])}", file=sys.stderr)
-        return 2
-    cfg = ClusterConfig.from_yaml(args.config or REPO / f"deploy/bench-{args.mode}.yaml")
-    doc = validate(goodput, args.mode, ReplicaProfile.load(args.profile), cfg)
-    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    spec = SERVERS.get(args.server)
+    if spec is None or spec.config is None:
+        ap.error(f"--server must be a pdserve server, one of {[s for s, v in SERVERS.items() if v.config]}")
+    rates = args.rates
+    out_dir = args.out.parent
+    measured = out_dir / "plan_validation_goodput.json"
+    py = sys.executable
+    _run([py, "-m", "loadtests.bench_goodput", "--servers", spec.name, "--rates", rates, "--out", str(measured),
+          *(["--smoke"] if args.smoke else []), *args.goodput_args.split()])
+    goodput = json.loads(measured.read_text())
+    ran = out_dir / "plan_validation_server.yaml"  # the YAML the server ran: the benchmark's objectives and dtype
+    ran.write_text(yaml.safe_dump(goodput["config"][spec.name]["yaml"], sort_keys=False))
+    profile_path = Path(args.profile) if args.profile else out_dir / "profile_local.json"
+    if not args.profile:
+        _run([py, "-m", "cluster.cli", "profile", "--config", str(ran), "--out", str(profile_path),
+              *(SMOKE_PROFILE_SIZES if args.smoke else [])])
+    workload_path = out_dir / "plan_workload.yaml"
+    workload_path.write_text(yaml.safe_dump(workload_spec(slo_of(goodput), goodput["setup"]["sweep"]["profile"]),
+                                            sort_keys=False))
+    plan_path = out_dir / "plan_validation_plan.json"
+    cfg = ClusterConfig.from_yaml(ran)
+    replicas = cfg.decode.num_replicas + (cfg.prefill.num_replicas if cfg.disaggregated else 0)
+    _run([py, "-m", "cluster.cli", "plan", "--profile", str(profile_path), "--workload", str(workload_path),
+          "--gpus", str(replicas), "--rates", rates, "--out", str(plan_path)])
+    doc = validate(goodput, spec.name, ReplicaProfile.load(profile_path), cfg, spec.prefill_path == "auto")
+    doc = {"benchmark": "plan_validation", "smoke": args.smoke, **doc,
+           "plan": json.loads(plan_path.read_text()), "files": {"measured": str(measured), "profile": str(profile_path),
+                                                                "workload": str(workload_path), "server": str(ran)}}
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
     for r in doc["rates"]:
         print(f"rate {r['rate']:g}: measured {100 * r['measured']:.1f}%, predicted {100 * r['predicted']:.1f}% "
-              f"({r['diff_points']:+.1f} points)")
-    print(f"within {doc['tolerance_points']:g} points at every rate: {doc['within_tolerance']}")
-    return 0 if doc["within_tolerance"] else 1
+              f"({r['diff_points']:+.1f} points, {r['requests']} requests)")
+    print(f"within {doc['tolerance_points']:g} points at every rate: {doc['within_tolerance']}"
+          + (" (smoke: a few requests a rate, not judged)" if args.smoke else "") + f"; wrote {args.out}")
+    return 0 if doc["within_tolerance"] or args.smoke else 1
 
 
 if __name__ == "__main__":

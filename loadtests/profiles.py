@@ -64,10 +64,15 @@ class Profile:
 CHAT = Workload("chat", prompt_tokens=100, max_tokens=128)
 LONG = Workload("long", prompt_tokens=2000, max_tokens=64)
 
+#: The goodput benchmark's kinds: a 30-word chat message (60 tokens with the template) and a document.
+GOODPUT_CHAT = Workload("chat", prompt_tokens=60, max_tokens=48)
+GOODPUT_LONG = Workload("long", prompt_tokens=1400, max_tokens=48)
+
 PROFILES: dict[str, Profile] = {
     "chat": Profile("chat", ((CHAT, 1.0),)),
     "long": Profile("long", ((LONG, 1.0),)),
     "mixed": Profile("mixed", ((CHAT, 0.9), (LONG, 0.1))),
+    "goodput": Profile("goodput", ((GOODPUT_CHAT, 0.85), (GOODPUT_LONG, 0.15))),
 }
 
 

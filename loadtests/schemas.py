@@ -5,9 +5,10 @@ Every result file has the same header: ``benchmark`` (its name), ``created`` (UT
 words and numbers), ``config`` (the YAML(s) used) and ``results``. Each benchmark documents its
 ``results`` here; times are milliseconds unless a key says otherwise.
 
-Owners: `INTERFERENCE_SCHEMA` and `GOODPUT_SCHEMA` belong to ``loadtests/bench_interference.py`` and
-``loadtests/bench_goodput.py``; the engine benchmark keeps its ``ENGINE_SCHEMA`` beside them, the
-serving benchmark (``loadtests/bench_serving.py``) its ``SERVING_SCHEMA``.
+Owners: `INTERFERENCE_SCHEMA` belongs to ``loadtests/bench_interference.py``; the goodput benchmark's
+schema is ``loadtests/goodput_schema.py``, built from the pieces here (`result_schema`, `SUMMARY`,
+`TARGET`); the engine benchmark keeps its ``ENGINE_SCHEMA`` beside them, the serving benchmark
+(``loadtests/bench_serving.py``) its ``SERVING_SCHEMA``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ _HEADER_PROPS: dict[str, Any] = {
 }
 
 
-def _doc(name: str, results: dict[str, Any]) -> dict[str, Any]:
+def result_schema(name: str, results: dict[str, Any]) -> dict[str, Any]:
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "type": "object",
@@ -103,82 +104,20 @@ _INTERFERENCE_MODE: dict[str, Any] = {
     },
 }
 
-_TARGET: dict[str, Any] = {
+TARGET: dict[str, Any] = {
     "type": "object",
     "required": ["name", "description", "value", "threshold", "met"],
     "properties": {"name": {"type": "string"}, "description": {"type": "string"},
                    "value": _num(nullable=True), "threshold": _num(), "met": {"type": ["boolean", "null"]}},
 }
 
-INTERFERENCE_SCHEMA: dict[str, Any] = _doc("interference", {
+INTERFERENCE_SCHEMA: dict[str, Any] = result_schema("interference", {
     "type": "object",
     "required": ["modes", "targets"],
     "properties": {
         "modes": {"type": "object", "minProperties": 1, "additionalProperties": _INTERFERENCE_MODE,
-                  "description": "colocated | colocated-chunked | disaggregated → its run"},
-        "targets": {"type": "array", "items": _TARGET},
-    },
-})
-
-
-# ---- goodput (loadtests/bench_goodput.py) ----
-
-_SAMPLE: dict[str, Any] = {
-    "type": "array",
-    "description": "one request: [kind, sent s since the rate's start, TTFT ms or null, TPOT ms or null, finished]",
-    "prefixItems": [{"enum": ["chat", "long"]}, _num(), _num(nullable=True), _num(nullable=True),
-                    {"type": "boolean"}],
-    "minItems": 5,
-    "maxItems": 5,
-}
-
-_RATE_POINT: dict[str, Any] = {
-    "type": "object",
-    "required": ["rate_rps", "window_s", "sent", "finished", "attainment_ttft", "attainment_tpot",
-                 "attainment", "goodput_rps", "throughput_rps", "ttft_ms", "tpot_ms", "samples"],
-    "properties": {
-        "rate_rps": _num(),
-        "window_s": _num(),
-        "sent": {"type": "integer", "minimum": 0},
-        "finished": {"type": "integer", "minimum": 0},
-        "attainment_ttft": _num(), "attainment_tpot": _num(),
-        "attainment": {"type": "number", "minimum": 0, "maximum": 1, "description": "both SLOs, of all sent"},
-        "goodput_rps": _num(),
-        "throughput_rps": _num(),
-        "ttft_ms": {"type": "object", "additionalProperties": SUMMARY, "description": "kind → summary"},
-        "tpot_ms": {"type": "object", "additionalProperties": SUMMARY},
-        "samples": {"type": "array", "items": _SAMPLE},
-    },
-}
-
-_GOODPUT_MODE: dict[str, Any] = {
-    "type": "object",
-    "required": ["baseline", "rates"],
-    "properties": {
-        "baseline": {"type": "object", "description": "unloaded, one request at a time: ttft_ms per kind, tpot_ms",
-                     "required": ["chat_ttft_ms", "chat_tpot_ms", "long_ttft_ms"],
-                     "properties": {k: _num(nullable=True) for k in ("chat_ttft_ms", "chat_tpot_ms",
-                                                                     "long_ttft_ms")}},
-        "rates": {"type": "array", "items": _RATE_POINT},
-        "server_metrics": {"type": "object"},
-    },
-}
-
-GOODPUT_SCHEMA: dict[str, Any] = _doc("goodput", {
-    "type": "object",
-    "required": ["slo", "modes"],
-    "properties": {
-        "slo": {
-            "type": "object",
-            "required": ["ttft_ms", "tpot_ms", "reason"],
-            "properties": {
-                "ttft_ms": {"type": "object", "required": ["chat", "long"],
-                            "additionalProperties": _num(), "description": "TTFT target per request kind"},
-                "tpot_ms": _num(),
-                "reason": {"type": "string"},
-            },
-        },
-        "modes": {"type": "object", "minProperties": 1, "additionalProperties": _GOODPUT_MODE},
+                  "description": "default | colocated | colocated-chunked | disaggregated → its run"},
+        "targets": {"type": "array", "items": TARGET},
     },
 })
 
@@ -285,7 +224,7 @@ _INT8: dict[str, Any] = {
     },
 }
 
-ENGINE_SCHEMA: dict[str, Any] = _doc("engine", {
+ENGINE_SCHEMA: dict[str, Any] = result_schema("engine", {
     "type": "object",
     "required": ["limits", "runs", "targets", "load_avg_1m"],
     "properties": {
@@ -294,8 +233,8 @@ ENGINE_SCHEMA: dict[str, Any] = _doc("engine", {
                    "additionalProperties": _num(), "description": "loadtests.machine, measured in this run"},
         "runs": {"type": "array", "minItems": 1, "items": _ENGINE_RUN},
         "int8": _INT8,
-        "targets": {"type": "array", "items": {**_TARGET, "required": [*_TARGET["required"], "direction"],
-                                               "properties": {**_TARGET["properties"],
+        "targets": {"type": "array", "items": {**TARGET, "required": [*TARGET["required"], "direction"],
+                                               "properties": {**TARGET["properties"],
                                                               "direction": {"enum": ["<=", ">="]}}}},
         "load_avg_1m": {"type": "array", "items": _num(),
                         "description": "1-minute load average before and after each section: other work on the host"},
@@ -330,17 +269,17 @@ _SERVER: dict[str, Any] = {
                    "engine": {"type": "object", "required": ["dtype", "decode_step_ms", "prefill_1024_ms"]}},
 }
 
-SERVING_SCHEMA: dict[str, Any] = _doc("serving", {
+SERVING_SCHEMA: dict[str, Any] = result_schema("serving", {
     "type": "object",
     "required": ["servers", "targets"],
     "properties": {"servers": {"type": "object", "additionalProperties": _SERVER},
-                   "targets": {"type": "array", "items": _TARGET}},
+                   "targets": {"type": "array", "items": TARGET}},
 })
 
 
 # ---- sampler (loadtests/bench_sampler.py) ----
 
-SAMPLER_SCHEMA: dict[str, Any] = _doc("sampler", {
+SAMPLER_SCHEMA: dict[str, Any] = result_schema("sampler", {
     "type": "object",
     "required": ["decode_step_ms", "cases", "targets"],
     "properties": {

@@ -14,11 +14,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from loadtests import bench_goodput as gp
 from loadtests import bench_interference as bi
 from loadtests.bench_common import RequestRecord, summarize, write_result
 from loadtests.profiles import CHAT_TEMPLATE_TOKENS, PROFILES, make_prompt
-from loadtests.schemas import GOODPUT_SCHEMA, INTERFERENCE_SCHEMA
+from loadtests.schemas import INTERFERENCE_SCHEMA
 
 MACHINE = {"cpu": "synthetic", "cpus": 2}
 CONFIGS = {m: {"path": p, "yaml": {"applications": []}} for m, p in bi.MODES.items()}
@@ -52,15 +51,16 @@ def _mode_run(stall_s: float, rng: random.Random) -> bi.ModeRun:
 
 def test_interference_doc_matches_schema_and_plots(tmp_path: Path) -> None:
     rng = random.Random(0)
-    runs = {"colocated": _mode_run(2.0, rng), "colocated-chunked": _mode_run(0.3, rng),
-            "disaggregated": _mode_run(0.0, rng)}
+    runs = {"default": _mode_run(0.0, rng), "colocated": _mode_run(2.0, rng),
+            "colocated-chunked": _mode_run(0.3, rng), "disaggregated": _mode_run(0.0, rng)}
     doc = bi.build_doc(runs, bi.Plan(), CONFIGS, MACHINE, note="synthetic")
     path = write_result(tmp_path / "interference.json", doc, INTERFERENCE_SCHEMA)
     assert json.loads(path.read_text())["benchmark"] == "interference"
     mixed = doc["results"]["modes"]["disaggregated"]["phases"]["mixed"]
     assert mixed["long_sent"] == 2 and mixed["long_first_token"] == 1
     assert {t["name"] for t in doc["results"]["targets"]} == {
-        "disaggregated_isolation", "colocated_vs_disaggregated", "chunked_vs_disaggregated"}
+        "default_chat_ttft", "default_isolation", "disaggregated_isolation", "colocated_vs_disaggregated",
+        "chunked_vs_disaggregated"}
     assert all(t["met"] is not None for t in doc["results"]["targets"])
     assert bi.plot(doc, tmp_path / "interference.png").stat().st_size > 10_000
 
@@ -72,26 +72,22 @@ def test_interference_targets_without_a_mode_are_unknown_not_failed() -> None:
     assert by_name["colocated_vs_disaggregated"]["met"] is None
 
 
-def test_goodput_doc_matches_schema_and_plots(tmp_path: Path) -> None:
-    plan = gp.Plan(rates=(0.5, 1.0), window_s=10.0)
-    runs = {}
-    for mode, tpot in (("colocated-chunked", 0.08), ("disaggregated", 0.05)):
-        m = gp.ModeRun(baseline={"chat_ttft_ms": 200.0, "chat_tpot_ms": 40.0, "long_ttft_ms": 4000.0})
-        for rate in plan.rates:
-            r = gp.RateRun(rate=rate, window_s=plan.window_s)
-            for a in gp.schedule(rate, plan.window_s, "mixed", seed=0):
-                r.records.append(_record(a.workload.name, a.at_s, [tpot] * 7))
-            r.records.append(_record("chat", 9.5, [0.05] * 3, finished=False))  # cut at the drain
-            m.rates.append(r)
-        runs[mode] = m
-    doc = gp.build_doc(runs, plan, CONFIGS, MACHINE)
-    write_result(tmp_path / "goodput.json", doc, GOODPUT_SCHEMA)
-    slo = doc["results"]["slo"]
-    assert slo["ttft_ms"] == {"chat": 1000.0, "long": 20000.0} and slo["tpot_ms"] == 120.0
-    point = doc["results"]["modes"]["disaggregated"]["rates"][0]
-    assert point["sent"] == point["finished"] + 1
-    assert point["attainment"] == pytest.approx((point["sent"] - 1) / point["sent"], abs=1e-3)
-    assert gp.plot(doc, tmp_path / "goodput.png").stat().st_size > 10_000
+def test_default_targets_compare_its_mixed_phase_with_its_chat_only_phase() -> None:
+    run = _mode_run(0.0, random.Random(3))
+    for r in run.chat:  # chat prompts sent in the mixed phase wait three times as long for their first token
+        if r.sent >= run.mixed_start:
+            shift = 0.4
+            r.arrivals[:] = [a + shift for a in r.arrivals]
+            r.end = None if r.end is None else r.end + shift
+    res = bi.mode_result(run)
+    by = {t["name"]: t for t in bi.targets({"default": res})}
+    alone, mixed = (res["phases"][p]["chat_ttft_ms"]["p50"] for p in ("chat_only", "mixed"))
+    assert by["default_chat_ttft"]["value"] == pytest.approx(mixed / alone, abs=1e-3)
+    assert mixed == pytest.approx(600.0, abs=1.0) and alone == pytest.approx(200.0, abs=1.0)
+    assert by["default_chat_ttft"]["met"] is False
+    assert by["default_isolation"]["value"] == pytest.approx(res["mixed_p99_itl_ms"] / res["chat_only_p99_itl_ms"],
+                                                             abs=1e-3)
+    assert by["disaggregated_isolation"]["met"] is None
 
 
 def test_schema_rejects_a_missing_header_field() -> None:
@@ -99,15 +95,6 @@ def test_schema_rejects_a_missing_header_field() -> None:
     del doc["setup"]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(doc, INTERFERENCE_SCHEMA)
-
-
-def test_poisson_schedule_is_seeded_and_mixed() -> None:
-    a, b = gp.schedule(2.0, 100.0, "mixed", seed=3), gp.schedule(2.0, 100.0, "mixed", seed=3)
-    assert [(x.at_s, x.body) for x in a] == [(x.at_s, x.body) for x in b]
-    assert 120 < len(a) < 280 and sum(x.workload.name == "long" for x in a) == round(0.1 * len(a))
-    for rate in (0.25, 0.5, 1.0):  # short windows still hold a long prompt
-        arrivals = gp.schedule(rate, 30.0, "mixed", seed=0)
-        assert len(arrivals) < 2 or any(x.workload.name == "long" for x in arrivals)
 
 
 def test_summarize_nearest_rank() -> None:
