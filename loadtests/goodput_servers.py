@@ -43,7 +43,8 @@ class ServerSpec:
 
 SERVERS: dict[str, ServerSpec] = {s.name: s for s in (
     ServerSpec("default", "pdserve", "deploy/local.yaml", prefill_path="auto"),
-    ServerSpec("remote", "pdserve", "deploy/bench-disaggregated-remote.yaml", prefill_path="remote"),
+    # the default's own layout with every prompt sent to the prefill pool: the two differ in the path alone
+    ServerSpec("remote", "pdserve", "deploy/local.yaml", prefill_path="remote"),
     ServerSpec("colocated", "pdserve", "deploy/bench-colocated.yaml"),
     ServerSpec("colocated-chunked", "pdserve", "deploy/bench-colocated-chunked.yaml"),
     ServerSpec("vllm", "vllm"),
@@ -63,8 +64,10 @@ def pick(names: str) -> list[ServerSpec]:
     return out
 
 
-def bench_yaml(doc: Mapping[str, Any], objectives: Mapping[str, Any] | None, dtype: str | None) -> dict[str, Any]:
-    """A Serve YAML (parsed) with the benchmark's objectives and dtype set in its one pdserve application."""
+def bench_yaml(doc: Mapping[str, Any], objectives: Mapping[str, Any] | None, dtype: str | None,
+               prefill_path: str | None = None) -> dict[str, Any]:
+    """A Serve YAML (parsed) with the benchmark's objectives, dtype and (disaggregated) prefill path set in
+    its one pdserve application."""
     out = copy.deepcopy(dict(doc))
     apps = out.get("applications") or []
     if len(apps) != 1:
@@ -72,6 +75,8 @@ def bench_yaml(doc: Mapping[str, Any], objectives: Mapping[str, Any] | None, dty
     args = apps[0].setdefault("args", {})
     if objectives is not None:
         args["objectives"] = copy.deepcopy(dict(objectives))
+    if prefill_path is not None:
+        args.setdefault("router", {})["prefill_path"] = prefill_path
     if dtype is not None:
         args.setdefault("engine", {})["dtype"] = dtype
         for pool in ("prefill", "decode"):
@@ -90,7 +95,8 @@ def write_bench_yaml(spec: ServerSpec, objectives: Mapping[str, Any] | None, dty
         raise FileNotFoundError(f"server {spec.name!r}: {spec.config} does not exist (leave it out with --servers)")
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     path = LOG_DIR / f"goodput-{spec.name}-{tag}.yaml"
-    path.write_text(yaml.safe_dump(bench_yaml(yaml.safe_load(src.read_text()), objectives, dtype), sort_keys=False))
+    path.write_text(yaml.safe_dump(bench_yaml(yaml.safe_load(src.read_text()), objectives, dtype, spec.prefill_path),
+                                    sort_keys=False))
     return path
 
 

@@ -109,10 +109,10 @@ def test_targets_judge_the_default_against_each_server() -> None:
 
 
 def test_bench_yaml_gives_every_server_the_objectives_and_the_dtype(tmp_path: Path) -> None:
-    for spec in (SERVERS["default"], SERVERS["colocated-chunked"]):
+    for spec in (SERVERS["default"], SERVERS["remote"], SERVERS["colocated-chunked"]):
         assert spec.config is not None
         doc = bench_yaml(yaml.safe_load((REPO / spec.config).read_text()), SLO_MS.objectives_section("goodput"),
-                         "float32")
+                         "float32", spec.prefill_path)
         path = tmp_path / f"{spec.name}.yaml"
         path.write_text(yaml.safe_dump(doc))
         cfg = ClusterConfig.from_yaml(path)  # the real config loader is the oracle
@@ -121,6 +121,8 @@ def test_bench_yaml_gives_every_server_the_objectives_and_the_dtype(tmp_path: Pa
         assert chat is not None and (chat.name, chat.ttft_s, chat.tpot_s) == ("chat", 0.5, 0.1)
         assert long is not None and (long.name, long.ttft_s) == ("long", 5.0)
         assert cfg.engine.dtype == "float32"
+        if spec.prefill_path is not None:  # default and remote: one layout, the path apart
+            assert cfg.router.prefill_path == spec.prefill_path
     with pytest.raises(ValueError, match="unknown server 'nope'"):
         pick("default,nope")
 
