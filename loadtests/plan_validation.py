@@ -106,6 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--goodput-args", default="",
                     help="more arguments for bench_goodput (e.g. '--slo-ms 900,9000,150')")
     ap.add_argument("--profile", default=None, help="a profile JSON to use instead of measuring one")
+    ap.add_argument("--measured", type=Path, default=None,
+                    help="a goodput benchmark JSON that ran --server already (e.g. results/goodput.json): "
+                         "its rates are validated instead of measuring again")
     ap.add_argument("--out", type=Path, default=RESULTS / "plan_validation.json")
     args = ap.parse_args(argv)
     spec = SERVERS.get(args.server)
@@ -113,11 +116,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--server must be a pdserve server, one of {[s for s, v in SERVERS.items() if v.config]}")
     rates = args.rates
     out_dir = args.out.parent
-    measured = out_dir / "plan_validation_goodput.json"
+    measured = args.measured or out_dir / "plan_validation_goodput.json"
     py = sys.executable
-    _run([py, "-m", "loadtests.bench_goodput", "--servers", spec.name, "--rates", rates, "--out", str(measured),
-          *(["--smoke"] if args.smoke else []), *args.goodput_args.split()])
+    if args.measured is None:
+        _run([py, "-m", "loadtests.bench_goodput", "--servers", spec.name, "--rates", rates, "--out", str(measured),
+              *(["--smoke"] if args.smoke else []), *args.goodput_args.split()])
     goodput = json.loads(measured.read_text())
+    if spec.name not in goodput["results"]["servers"]:
+        ap.error(f"{measured} has no run of server {spec.name!r} (it ran {sorted(goodput['results']['servers'])})")
+    if args.measured is not None:  # the rates that run measured
+        rates = ",".join(f"{r['rate']:g}" for r in goodput["results"]["servers"][spec.name]["rates"])
     ran = out_dir / "plan_validation_server.yaml"  # the YAML the server ran: the benchmark's objectives and dtype
     ran.write_text(yaml.safe_dump(goodput["config"][spec.name]["yaml"], sort_keys=False))
     profile_path = Path(args.profile) if args.profile else out_dir / "profile_local.json"
