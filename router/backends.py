@@ -178,12 +178,23 @@ class Backends:
     async def ready(self) -> bool:
         """Both pools answer ``ready()`` with True within the ready timeout."""
         handles = [h for h in (self._prefill, self._decode) if h is not None]
+        # one task per pool, waited with asyncio.wait (not gather, whose future would hold the
+        # CancelledError of a probe cancelled with its caller, unretrieved); every task is cancelled or
+        # read before this returns
+        probes = [asyncio.ensure_future(_answer(h)) for h in handles]
         try:
-            answers = await asyncio.wait_for(
-                asyncio.gather(*(h.ready.remote() for h in handles)), self._ready_timeout_s)
-        except (asyncio.TimeoutError, APIError, RayActorError, DeploymentUnavailableError):
-            return False
-        except Exception:
-            logger.exception("ready() failed")
-            return False
-        return all(bool(a) for a in answers)
+            done, pending = await asyncio.wait(probes, timeout=self._ready_timeout_s)
+        finally:
+            for t in probes:
+                t.cancel()
+        answers = [t.exception() or t.result() for t in done]
+        for a in answers:
+            if isinstance(a, BaseException) and not isinstance(
+                    a, (APIError, RayActorError, DeploymentUnavailableError)):
+                logger.error("ready() failed: %r", a)
+        return not pending and all(a is True for a in answers)
+
+
+async def _answer(handle: Any) -> bool:
+    """One pool's ``ready()`` answer, as a bool."""
+    return bool(await handle.ready.remote())
