@@ -39,6 +39,9 @@ from loadtests.goodput_servers import SERVERS
 from loadtests.profiles import get_profile
 
 DEFAULT_RATES = (0.25, 0.5, 0.7)
+#: prompt sizes profiled: up past the workload's longest prompt (1,400 tokens and its chat template), so the
+#: fitted prefill time need not extrapolate attention's growth from short prompts
+PROFILE_SIZES = ["--prefill", "16,64,256,512,1024,1536"]
 SMOKE_PROFILE_SIZES = ["--prefill", "16,64,256", "--batches", "1,4", "--contexts", "64,256", "--repeats", "1"]
 
 
@@ -125,13 +128,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if spec.name not in goodput["results"]["servers"]:
         ap.error(f"{measured} has no run of server {spec.name!r} (it ran {sorted(goodput['results']['servers'])})")
     if args.measured is not None:  # the rates that run measured
-        rates = ",".join(f"{r['rate']:g}" for r in goodput["results"]["servers"][spec.name]["rates"])
+        rates = ",".join(f"{r['rate_rps']:g}" for r in goodput["results"]["servers"][spec.name]["rates"])
     ran = out_dir / "plan_validation_server.yaml"  # the YAML the server ran: the benchmark's objectives and dtype
     ran.write_text(yaml.safe_dump(goodput["config"][spec.name]["yaml"], sort_keys=False))
     profile_path = Path(args.profile) if args.profile else out_dir / "profile_local.json"
     if not args.profile:
         _run([py, "-m", "cluster.cli", "profile", "--config", str(ran), "--out", str(profile_path),
-              *(SMOKE_PROFILE_SIZES if args.smoke else [])])
+              *(SMOKE_PROFILE_SIZES if args.smoke else PROFILE_SIZES)])
     workload_path = out_dir / "plan_workload.yaml"
     workload_path.write_text(yaml.safe_dump(workload_spec(slo_of(goodput), goodput["setup"]["sweep"]["profile"]),
                                             sort_keys=False))
