@@ -12,51 +12,27 @@ request's choices, routed at once, never collide in Serve's router."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from ray.exceptions import ActorDiedError
 from ray.serve import context as serve_context
 from ray.serve._private import default_impl
 
-from decode_worker.types import DecodeRequest, TokenEvent
 from engine.sampling.sampler import SamplingParams
 from router.backends import Backends
 from router.generation import Delta, Generation, GenerationInput, StreamError
 from router.metrics import RouterMetrics
 from tests.support.fake_handles import FakeHandle
-from tests.support.pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_choice_text, expected_text
+from tests.support.pd_fakes import (
+    FailingDecode,
+    FakeCodec,
+    FakeDecode,
+    FakePrefill,
+    expected_choice_text,
+    expected_text,
+)
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class FailingDecode(FakeDecode):
-    """The first ``failures`` decode calls break after ``after`` events: their replica dies
-    (ActorDiedError) or, with ``hang``, goes silent (cancelled streams are recorded in ``hung``)."""
-
-    def __init__(self, failures: int, after: int = 3, hang: bool = False) -> None:
-        super().__init__(None)
-        self.failures, self.after, self.hang = failures, after, hang
-        self.requests: list[DecodeRequest] = []
-        self.hung: list[str] = []
-
-    async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
-        self.requests.append(req)
-        failing = self.failures > 0
-        self.failures -= failing
-        n = 0
-        async for ev in super().generate(req):
-            if failing and n == self.after:
-                if not self.hang:
-                    raise ActorDiedError()
-                try:
-                    await asyncio.sleep(60)
-                except asyncio.CancelledError:
-                    self.hung.append(req.request_id)
-                    raise
-            yield ev
-            n += 1
 
 
 def setup(decode: FakeDecode, colocated: bool = False, token_timeout_s: float = 5.0, limit: int = 3

@@ -13,9 +13,7 @@ import math
 from collections.abc import Mapping
 
 import pytest
-from ray.exceptions import ActorDiedError
 
-from decode_worker.types import DecodeRequest
 from engine.load_report import LoadReport
 from engine.sampling.sampler import SamplingParams
 from engine.step_model import PRIOR, StepTimeModel
@@ -27,7 +25,7 @@ from router.path_choice import NO_OBJECTIVE, PRIOR_PREFILL_RATE_TPS, PathChoice,
 from router.path_policy import Path, PathInputs, PathParams, Reason, decide
 from router.request_objective import objective_for
 from tests.support.fake_handles import FakeHandle
-from tests.support.pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_text
+from tests.support.pd_fakes import FailingDecode, FakeCodec, FakePrefill, expected_text
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -147,25 +145,7 @@ def test_no_objective_is_never_missed() -> None:
 
 # -- Generation on the path chosen ------------------------------------------------------------------
 
-class RecordingDecode(FakeDecode):
-    def __init__(self, failures: int = 0, after: int = 3) -> None:
-        super().__init__(None)
-        self.requests: list[DecodeRequest] = []
-        self.failures, self.after = failures, after
-
-    async def generate(self, req: DecodeRequest):  # type: ignore[no-untyped-def]
-        self.requests.append(req)
-        failing = self.failures > 0
-        self.failures -= failing
-        n = 0
-        async for ev in super().generate(req):
-            if failing and n == self.after:
-                raise ActorDiedError()
-            yield ev
-            n += 1
-
-
-def setup(dec: RecordingDecode, auto: bool = True) -> tuple[Generation, FakeHandle, FakeHandle, RouterMetrics]:
+def setup(dec: FailingDecode, auto: bool = True) -> tuple[Generation, FakeHandle, FakeHandle, RouterMetrics]:
     ph, dh, metrics = FakeHandle(FakePrefill(None)), FakeHandle(dec), RouterMetrics()
     board = Board()
     choice = PathChoice(PARAMS, "prefill", "decode", metrics, board) if auto else None
@@ -184,7 +164,7 @@ async def text(gen: Generation, i: GenerationInput) -> str:
 
 
 async def test_a_short_prompt_goes_to_the_decode_pool_alone_and_a_long_one_through_the_prefill() -> None:
-    dec = RecordingDecode()
+    dec = FailingDecode(failures=0)
     gen, ph, _, metrics = setup(dec)
     objectives = Objectives((SLOClass("all", ttft_s=10.0, tpot_s=1.0),))
     short, long = "abc", "x" * 200
@@ -203,7 +183,7 @@ async def test_a_short_prompt_goes_to_the_decode_pool_alone_and_a_long_one_throu
 
 
 async def test_without_a_path_choice_every_request_is_remote() -> None:
-    dec = RecordingDecode()
+    dec = FailingDecode(failures=0)
     gen, ph, _, _ = setup(dec, auto=False)
     assert await text(gen, inp("abc", 8)) == expected_text("abc", 8)
     assert ph.calls == ["prefill"] and dec.requests[0].handle is not None
@@ -212,7 +192,7 @@ async def test_without_a_path_choice_every_request_is_remote() -> None:
 async def test_a_local_requests_continuation_is_local() -> None:
     """Its decode replica dies mid-stream: the continuation goes to the decode pool without a handle
     (prefilled where it lands), and the prefill pool is never called."""
-    dec = RecordingDecode(failures=1, after=4)
+    dec = FailingDecode(failures=1, after=4)
     gen, ph, _, _ = setup(dec)
     assert await text(gen, inp("abc", 12)) == expected_text("abc", 12)
     first, cont = dec.requests

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import llguidance
+from ray.exceptions import ActorDiedError
 
 from decode_worker.types import DecodeChoice, DecodeRequest, DecodeTimings, TokenEvent
 from engine.errors import QueueFullError
@@ -302,3 +303,31 @@ class FakeDecode:
 
     async def ready(self) -> bool:
         return True
+
+
+class FailingDecode(FakeDecode):
+    """The first ``failures`` decode calls break after ``after`` events: their replica dies
+    (ActorDiedError) or, with ``hang``, goes silent (cancelled streams are recorded in ``hung``)."""
+
+    def __init__(self, failures: int, after: int = 3, hang: bool = False) -> None:
+        super().__init__(None)
+        self.failures, self.after, self.hang = failures, after, hang
+        self.requests: list[DecodeRequest] = []
+        self.hung: list[str] = []
+
+    async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenEvent]:
+        self.requests.append(req)
+        failing = self.failures > 0
+        self.failures -= failing
+        n = 0
+        async for ev in super().generate(req):
+            if failing and n == self.after:
+                if not self.hang:
+                    raise ActorDiedError()
+                try:
+                    await asyncio.sleep(60)
+                except asyncio.CancelledError:
+                    self.hung.append(req.request_id)
+                    raise
+            yield ev
+            n += 1
