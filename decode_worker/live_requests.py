@@ -25,7 +25,8 @@ from decode_worker.choices import ChoiceGroup
 from decode_worker.importer import KVImporter
 from decode_worker.local_prefill import LocalPrefill
 from decode_worker.request_checks import check_request
-from decode_worker.scheduler import DecodeScheduler, SeqStatus
+from decode_worker.scheduler import DecodeScheduler
+from decode_worker.seq_state import SeqStatus
 from decode_worker.stream import Stream
 from decode_worker.swap_space import HostSwapSpace
 from decode_worker.types import DecodeRequest

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from decode_worker.local_prefill import LocalPrefill
-from decode_worker.scheduler import DecodeScheduler, SeqStatus
+from decode_worker.scheduler import DecodeScheduler
+from decode_worker.seq_state import SeqStatus
 from decode_worker.step_budget import StepBudget
 from decode_worker.stream import Stream
 from engine.block_pool import BlockPool

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from decode_worker.scheduler import SeqState
+from decode_worker.seq_state import SeqState
 from decode_worker.stream import Stream
 from engine.runner import DecodeSeq, ModelRunner, PrefillChunk
 from engine.sampling.prompt_logprobs import PromptLogprobs, ScoreAsk

@@ -52,7 +52,8 @@ from decode_worker.importer import KVImporter
 from decode_worker.live_requests import LiveRequests
 from decode_worker.load import load_report
 from decode_worker.local_prefill import LocalPrefill
-from decode_worker.scheduler import DecodeScheduler, SchedulerConfig, SchedulerOutput
+from decode_worker.scheduler import DecodeScheduler, SchedulerConfig
+from decode_worker.seq_state import SchedulerOutput
 from decode_worker.step_budget import StepBudget
 from decode_worker.step_forward import decode_seq, forward_and_sample, split_firsts
 from decode_worker.stream import Stream

@@ -54,15 +54,10 @@ from router.fields import FieldTables
 from router.generation import Generation
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_format import ChatFormatter, CompletionFormatter, Formatter
+from router.openai_objects import ModelCard, ModelList
 from router.path_choice import PathChoice
 from router.prompt import chat_prompt, completion_prompt, echo_text
-from router.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerationRequest,
-    ModelCard,
-    ModelList,
-)
+from router.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from router.reply import SSE_HEADERS, Replies, stream_error
 from router.request_body import parse_body, route_path, tokenize_kind
 from router.responses.convert import to_chat

@@ -33,8 +33,7 @@ from engine.sampling.prompt_logprobs import PromptLogprobs
 from engine.sampling.sampler import TopLogprobs
 from router.codec import TextCodec
 from router.generation import Delta
-from router.prompt_logprobs import PromptLogprobsList, echoed_entries, vllm_prompt_logprobs
-from router.protocol import (
+from router.openai_objects import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -52,6 +51,7 @@ from router.protocol import (
     new_id,
     now,
 )
+from router.prompt_logprobs import PromptLogprobsList, echoed_entries, vllm_prompt_logprobs
 from router.tool_protocol import DeltaToolCall
 from router.tool_stream import ToolCallStream
 

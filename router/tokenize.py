@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from router.codec import TextCodec
 from router.errors import bad_request
-from router.protocol import ChatMessage
+from router.messages import ChatMessage
 from router.tools import check_history
 
 

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from decode_worker.scheduler import DecodeScheduler, SchedulerConfig, SeqState, SeqStatus
+from decode_worker.scheduler import DecodeScheduler, SchedulerConfig
+from decode_worker.seq_state import SeqState, SeqStatus
 from engine.block_pool import BlockPool
 from engine.errors import ContextLengthError
 from tests.support.scheduler_kv import FakeKV, step

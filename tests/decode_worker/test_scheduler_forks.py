@@ -11,7 +11,8 @@ from collections import Counter
 
 import pytest
 
-from decode_worker.scheduler import DecodeScheduler, SchedulerConfig, SeqStatus
+from decode_worker.scheduler import DecodeScheduler, SchedulerConfig
+from decode_worker.seq_state import SeqStatus
 from engine.block_pool import BlockPool
 from engine.errors import ContextLengthError
 from tests.support.scheduler_kv import FakeKV, step

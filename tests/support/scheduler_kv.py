@@ -7,7 +7,8 @@ protocol order, writes tokens and block copies, and reads back what a sequence w
 
 from __future__ import annotations
 
-from decode_worker.scheduler import DecodeScheduler, SchedulerOutput, SeqState
+from decode_worker.scheduler import DecodeScheduler
+from decode_worker.seq_state import SchedulerOutput, SeqState
 
 Row = tuple[str, int] | None
 
