@@ -2,12 +2,12 @@
 
 Owns: on a CPU, RoPE + cache store in one native call per layer (`engine.kernels.native_rope`) where
 it builds, else the eager rotation from tables gathered once per step; prefill chunks through the
-C++ prefill attention or SDPA (`engine.attention.ops.prefill_attention`, a prefix read as whole
-blocks); decode rows sorted into groups of similar length, each padded only to its own longest
-(`engine.attention.cpu_decode`), by the method `engine.kernels.attention_choice` timed fastest here;
-small decode batches as one C++ call for the whole step (`engine.kernels.native_step`) where every
-piece of it is native; and the linear kernels' formats (`engine.kernels.cpu_linears`, swapped in by
-`prepare_model`).
+C++ prefill attention or SDPA, whichever `engine.kernels.prefill_choice` timed faster here
+(`engine.attention.ops.prefill_attention`, a prefix read as whole blocks); decode rows sorted into
+groups of similar length, each padded only to its own longest (`engine.attention.cpu_decode`), by
+the method `engine.kernels.attention_choice` timed fastest here; small decode batches as one C++
+call for the whole step (`engine.kernels.native_step`) where every piece of it is native; and the
+linear kernels' formats (`engine.kernels.cpu_linears`, swapped in by `prepare_model`).
 
 Invariants: those of `engine.attention.base`, and every choice made here changes speed only (each
 path is tested against the ``reference`` backend).
@@ -31,6 +31,7 @@ from engine.kernels.kernel_choice import KernelChoice
 from engine.kernels.native_attention import native_error
 from engine.kernels.native_rope import MAX_HEAD_DIM, RopeStore, native_rope_error
 from engine.kernels.native_step import NativeDecodeStep
+from engine.kernels.prefill_choice import remembered_prefill_attention
 from engine.kv_cache import KVCache
 from engine.model.model import LlamaModel
 from engine.model.rope import rotate_rolled
@@ -68,6 +69,8 @@ class CpuBackend(AttentionBackend):
         self.choice: AttentionChoice = remembered_decode_attention(
             spec.num_heads, spec.num_kv_heads, spec.head_dim, config.decode_attention, spec.device, spec.dtype,
             softcap=spec.softcapped)
+        self.prefill_choice = remembered_prefill_attention(spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                                           spec.dtype)
         self.ws = Workspace()
         self.kernel_choices: list[KernelChoice] = []
         self.native_step: NativeDecodeStep | None = None
@@ -143,7 +146,8 @@ class CpuBackend(AttentionBackend):
         kc, vc = cache.k[layer], cache.v[layer]
         if isinstance(meta, CpuDecode):
             return grouped_attention(q, kc, vc, meta.groups, la, self.choice, self.ws)  # [B, H * D]
-        outs = [prefill_attention(q[rows], k[rows], v[rows], kc, vc, start, None, la.scale, blocks, native=True,
+        outs = [prefill_attention(q[rows], k[rows], v[rows], kc, vc, start, None, la.scale, blocks,
+                                  native=self.prefill_choice.native,
                                   window=la.window, softcap=la.softcap) for rows, start, blocks in meta.chunks]
         attn = torch.cat(outs) if len(outs) > 1 else outs[0]  # [T, H, D]
         return attn.reshape(attn.shape[0], -1)
@@ -161,12 +165,14 @@ class CpuBackend(AttentionBackend):
 
     def report(self) -> dict[str, object]:
         return {"backend": self.name, "linear_kernels": [asdict(c) for c in self.kernel_choices],
-                "decode_attention": asdict(self.choice), "native_step": self.native_step is not None}
+                "decode_attention": asdict(self.choice), "prefill_attention": asdict(self.prefill_choice),
+                "native_step": self.native_step is not None}
 
     def describe(self) -> str:
         linears = "; ".join(c.summary() for c in self.kernel_choices)
         step = "one native call" if self.native_step is not None else f"per layer ({self.native_step_error})"
-        return f"cpu: linears {linears}; decode attention {self.choice.summary()}; small decode steps {step}"
+        return (f"cpu: linears {linears}; decode attention {self.choice.summary()}; "
+                f"prefill attention {self.prefill_choice.summary()}; small decode steps {step}")
 
 
 BACKEND = CpuBackend

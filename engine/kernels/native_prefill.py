@@ -2,10 +2,12 @@
 
 Owns: loading ``engine/kernels/csrc/prefill_attention.cpp`` (built by `engine.kernels.native_build`),
 `native_prefill_applies` and `native_prefill_attention`, which `engine.attention.ops.prefill_attention`
-runs on the fast path for fp32 chunks (bf16 stays on torch's SDPA, which uses AMX where oneDNN has it).
+runs for fp32 chunks where `engine.kernels.prefill_choice` timed it faster than SDPA on this machine
+(bf16 stays on torch's SDPA, which uses AMX where oneDNN has it).
 
-Why: torch's fp32 CPU ``scaled_dot_product_attention`` (its flash kernel) reaches a fraction of the
-FLOP rate its fp32 matmuls reach, and causal attention is a sizeable share of an fp32 prefill. The
+Why: on CPUs with 16-lane vector units, torch's fp32 CPU ``scaled_dot_product_attention`` (its flash
+kernel) reaches a fraction of the FLOP rate its fp32 matmuls reach, and causal attention is a sizeable
+share of an fp32 prefill; on 8-lane units this kernel's tiles spill registers and SDPA is faster. The
 kernel (flash-attention style: K transposed once, outer-product score tiles, online softmax, P V
 tiles; the query heads of a KV head together) does the same work without a score matrix, at a
 higher FLOP rate (figures: docs/benchmarks-notes.md).

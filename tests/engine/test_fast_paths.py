@@ -14,11 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu as cpu_backend
 from engine.attention import ops
 from engine.attention.ops import decode_attention
 from engine.config import EngineConfig
 from engine.kernels import gathered_decode
 from engine.kernels.gathered_decode import PagedDecodeMeta, Workspace, paged_decode_attention
+from engine.kernels.prefill_choice import PrefillChoice
 from engine.kernels.quant import Linear, PackedLinear, make_linear, onednn_packing_available
 from engine.kv_cache import KVCache
 from engine.loading.weights import load_weights
@@ -85,9 +87,12 @@ def test_fast_fp32_matches_reference(tiny_dir: Path, kernels: str) -> None:
 
 
 @needs_cxx
-def test_native_fp32_prefill_attention_matches_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Head size 64 (the kernel's): fresh chunks and one after a cached prefix run natively, equal to the
-    reference path's SDPA up to fp32 rounding."""
+@pytest.mark.parametrize("native", [True, False])
+def test_fp32_prefill_attention_of_either_choice_matches_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    native: bool) -> None:
+    """Head size 64 (the kernel's): with the C++ kernel chosen, fresh chunks and one after a cached
+    prefix run there; with SDPA chosen, none do; either equals the reference path's SDPA up to fp32
+    rounding."""
     path = make_tiny("llama", tmp_path / "d64", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     calls: list[int] = []
     real = ops.native_prefill_attention
@@ -97,10 +102,12 @@ def test_native_fp32_prefill_attention_matches_reference(tmp_path: Path, monkeyp
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ops, "native_prefill_attention", counted)
+    monkeypatch.setattr(cpu_backend, "remembered_prefill_attention",
+                        lambda *a: PrefillChoice(native, reason="pinned by the test"))
     ref = scenario(runner(path, torch.float32, fast=False))
     assert not calls
     fast = scenario(runner(path, torch.float32, fast=True))
-    assert len(calls) == 2 * 4  # 2 layers x (the first chunk + the three of the batched prefill)
+    assert len(calls) == (2 * 4 if native else 0)  # 2 layers x (the first chunk + the three of the batched prefill)
     for a, b in zip(fast, ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
