@@ -17,7 +17,14 @@ from router.metrics import RouterMetrics
 from router.objectives import Objectives, SLOClass
 from router.request_objective import objective_for
 from tests.support.fake_handles import FakeHandle
-from tests.support.pd_fakes import FakeCodec, FakeDecode, FakePrefill, expected_choice_text, expected_text
+from tests.support.pd_fakes import (
+    FIRST_LATE_S,
+    FakeCodec,
+    FakeDecode,
+    FakePrefill,
+    expected_choice_text,
+    expected_text,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -127,6 +134,24 @@ async def test_token_timeout_is_a_stream_error() -> None:
     gen, _, _, _ = setup(token_timeout_s=0.005)
     with pytest.raises(StreamError, match="no token"):
         await collect(gen, inp("SLOW", 10))
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+async def test_a_prefill_on_the_decode_replica_is_not_a_silence(colocated: bool) -> None:
+    """The first event comes FIRST_LATE_S after the call, past the token timeout. Prefilled on the
+    decode replica (colocated: no KV handle) that wait is its prefill and has the prefill timeout
+    more, so the stream completes; after a remote prefill (token 0 already sent) it is a silence."""
+    assert 0.2 < FIRST_LATE_S < 0.2 + 5.0
+    gen, _, _, metrics = setup(None if colocated else "default", token_timeout_s=0.2)
+    if colocated:
+        deltas = await collect(gen, inp("FIRSTLATE", 4))
+        assert "".join(d.text for d in deltas) == expected_text("FIRSTLATE", 4)
+        assert deltas[-1].finish_reason == "length"
+    else:
+        with pytest.raises(StreamError, match=r"no token from the decode pool within 0\.2 s"):
+            await collect(gen, inp("FIRSTLATE", 4))
+    moved = metrics.registry.get_sample_value("pdserve:router_migrations_total", {"reason": "token_timeout"})
+    assert (moved or 0) == (0 if colocated else 3)
 
 
 @pytest.mark.parametrize(("include", "text"), [(False, "de"), (True, "def")])

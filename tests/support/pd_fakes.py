@@ -51,6 +51,7 @@ from router.config import RouterConfig
 
 EOS = 0
 LOGPROB = -0.25
+FIRST_LATE_S = 0.4  # how late the fake decode's first event is for a prompt saying FIRSTLATE
 
 
 def successor(t: int) -> int:
@@ -253,6 +254,8 @@ class FakeDecode:
         said = script(text)
         n_max = req.sampling.max_tokens
         live = {c.index: self._start(req, c) for c in choices}  # index → [last token, tokens produced]
+        if "FIRSTLATE" in text:  # a long first wait: a long prompt's prefill here, or a stall after token 0
+            await asyncio.sleep(FIRST_LATE_S)
         self._running += 1
         try:
             while live:
