@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from cluster.planner.measure import synthetic_prompt
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kernels import prefill_choice
@@ -32,7 +33,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
 def _prefill_s(eng: Engine, n: int) -> float:
-    ids = [3 + (i * 7919) % 997 for i in range(n)]
+    ids = synthetic_prompt(n, eng.model_config.vocab_size)
     blocks = eng.pool.allocate(eng.blocks_for(n))
     try:
         t0 = time.perf_counter()

@@ -11,9 +11,9 @@ Invariants:
   raised itself (queue full, context too long, bugs) are never retried;
 - a call that outlives its timeout is cancelled, then answered with a 503 (prefill); a decode
   stream whose replica went away or sent nothing within the token timeout raises `DecodeLost`
-  (a stream prefilled on the decode replica, without a KV handle, has the prefill timeout more for
-  its first event: a long prompt's prefill there is not a silence)
-  (the caller moves the request's choices elsewhere, `router.migration`) after cancelling it;
+  (the caller moves the request's choices elsewhere, `router.migration`) after cancelling it; a
+  stream prefilled on the decode replica (no KV handle) has the prefill timeout more for its first
+  event, since a long prompt's prefill there is not a silence;
 - leaving a `generate` context early — stop string, client disconnect, error — cancels the
   decode stream, so the decode replica frees the request's blocks;
 - a handle no decode replica took (the request ended between token 0 and the decode call) is
@@ -126,25 +126,23 @@ class Backends:
         finished = False
         going = {c.index for c in req.choices}
 
-        # Prefilled on the decode replica (no handle): its first event waits for that prefill too.
-        first_wait_s = self._token_timeout_s + (self._prefill_timeout_s if req.handle is None else 0.0)
-
         async def events() -> AsyncIterator[TokenEvent]:
             nonlocal finished
-            wait_s = first_wait_s
+            prefilling = req.handle is None  # prefilled on the decode replica: until its first event
             while True:
+                wait_s = self._token_timeout_s + (self._prefill_timeout_s if prefilling else 0.0)
                 try:
                     event: TokenEvent = await asyncio.wait_for(stream.__anext__(), wait_s)
                 except StopAsyncIteration:
                     finished = True
                     return
                 except asyncio.TimeoutError:
-                    what = "the first token (its prefill included)" if wait_s != self._token_timeout_s else "token"
+                    what = "the first token (its prefill included)" if prefilling else "token"
                     raise DecodeLost(TOKEN_TIMEOUT,
                                      f"no {what} from the decode pool within {wait_s:g} s") from None
                 except REPLICA_GONE as e:
                     raise DecodeLost(REPLICA_DIED, "the decode replica serving this request went away") from e
-                wait_s = self._token_timeout_s
+                prefilling = False
                 if event.finish_reason is not None:
                     going.discard(event.index)
                     finished = not going  # before the yield: a consumer may stop at the last event

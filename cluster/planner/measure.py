@@ -44,6 +44,12 @@ class Sizes:
             raise ValueError("sizes must be >= 1")
 
 
+def synthetic_prompt(n: int, vocab: int) -> list[int]:
+    """``n`` token ids spread over the first thousand of the vocabulary (past the usual special ids
+    0-2), the same for every run, so timings of one length compare across runs and tools."""
+    return [3 + (i * 7919) % (min(vocab, 1000) - 3) for i in range(n)]
+
+
 def _timer(device: str) -> Callable[[Callable[[], object], int], float]:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
@@ -90,7 +96,7 @@ def measure(model: str, config: EngineConfig, sizes: Sizes, *, cache_dir: str | 
     decode: list[DecodePoint] = []
     for kind, a, c in points:
         if kind == "prefill":
-            ids = [3 + (i * 7919) % (min(vocab, 1000) - 3) for i in range(a)]
+            ids = synthetic_prompt(a, vocab)
             blocks = eng.pool.allocate(eng.blocks_for(a))
             try:
                 chunk = [PrefillChunk(ids, 0, blocks)]

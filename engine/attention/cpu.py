@@ -2,7 +2,7 @@
 
 Owns: on a CPU, RoPE + cache store in one native call per layer (`engine.kernels.native_rope`) where
 it builds, else the eager rotation from tables gathered once per step; prefill chunks through the
-C++ prefill attention or SDPA, whichever `engine.kernels.prefill_choice` timed faster here
+C++ prefill attention or SDPA, as `engine.kernels.prefill_choice` picks at load
 (`engine.attention.ops.prefill_attention`, a prefix read as whole blocks); decode rows sorted into
 groups of similar length, each padded only to its own longest (`engine.attention.cpu_decode`), by
 the method `engine.kernels.attention_choice` timed fastest here; small decode batches as one C++

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -60,8 +60,7 @@ def pick(ms: Mapping[str, float], margin: float = MARGIN) -> bool:
     return ms["native"] <= (1.0 - margin) * ms["sdpa"]
 
 
-def _timed(fn: object) -> float:
-    assert callable(fn)
+def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
